@@ -1,0 +1,37 @@
+"""Root pytest hooks: every test must be marked `cpu` or `gpu`; under CI=true a cpu test may not skip.
+
+Why: a test that silently skips in CI proves nothing (design.md §6). Real components are installed by
+.ci/run, so a skip there means a broken install, which must fail loudly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unmarked = [it.nodeid for it in items if not ({"cpu", "gpu"} & {m.name for m in it.iter_markers()})]
+    if unmarked:
+        raise pytest.UsageError("tests without a `cpu` or `gpu` marker (design.md §6):\n  " + "\n  ".join(unmarked))
+    for it in items:
+        names = {m.name for m in it.iter_markers()}
+        if "slow" in names and "cpu" not in names:
+            raise pytest.UsageError(f"{it.nodeid}: `slow` tests must also carry `cpu`")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if os.environ.get("CI") == "true" and report.skipped and item.get_closest_marker("cpu") is not None:
+        if not hasattr(report, "wasxfail"):
+            report.outcome = "failed"
+            report.longrepr = f"cpu test skipped under CI=true (skips are failures in CI): {report.longrepr}"
