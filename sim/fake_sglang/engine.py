@@ -1,0 +1,255 @@
+"""The scheduler shared by every fake engine: continuous batching, finish checks, abort, pause, release.
+
+Why one loop for all engines: rollout code is exercised against SGLang's *scheduling* behaviour (requests
+join a running batch, abort returns the tokens produced so far, pause holds new and running requests), and
+that must not depend on whether tokens come from a real model, a script or a latency model. Engines only
+implement `step()`: produce one token per running request.
+
+Finish checks follow python/sglang/srt/managers/schedule_batch.py `Req.check_finished`: max_new_tokens first
+(FINISH_LENGTH), then stop token ids / EOS unless `ignore_eos` (FINISH_MATCHED_TOKEN), then stop strings on
+the decoded tail (FINISH_MATCHED_STR).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from abc import ABC, abstractmethod
+from collections import deque
+from typing import Any
+
+import torch
+
+from sim.fake_sglang.protocol import (
+    BadRequest,
+    GenRequest,
+    SamplingParams,
+    finish_abort,
+    finish_length,
+    finish_matched,
+)
+
+logger = logging.getLogger(__name__)
+
+# python/sglang/srt/managers/io_struct.py: PauseGenerationReqInput.mode (default "abort").
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class Engine(ABC):
+    """Owns all requests of one fake server; `run()` is the scheduler loop (one asyncio task)."""
+
+    name = "base"
+
+    def __init__(self, *, tokenizer: Any = None, max_running_requests: int = 64, random_seed: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.max_running_requests = max(1, max_running_requests)
+        self.random_seed = random_seed
+        self._seed_counter = 0
+        self.waiting: deque[GenRequest] = deque()
+        self.running: list[GenRequest] = []
+        self.requests: dict[str, GenRequest] = {}
+        self.paused = False
+        self.released_tags: set[str] = set()
+        self.weight_version = "default"  # python/sglang/srt/server_args.py: weight_version default
+        self._wakeup = asyncio.Event()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        # Held during a decode step and during weight updates, so weights never change mid-step.
+        self.step_lock = asyncio.Lock()
+        self._stopping = False
+        self.steps = 0
+
+    # ---- engine hooks -------------------------------------------------------------------------------
+    @abstractmethod
+    async def step(self, batch: list[GenRequest]) -> list[tuple[int, float]]:
+        """Return one (token_id, logprob) per request in `batch`, in order."""
+
+    def prepare(self, req: GenRequest) -> None:  # noqa: B027 - optional hook
+        """Per-request setup when it is submitted (e.g. pick a scripted completion)."""
+
+    def eos_token_ids(self) -> set[int]:
+        return set()
+
+    def vocab_size(self) -> int:
+        return len(self.tokenizer) if self.tokenizer is not None else 0
+
+    # ---- tokenizer helpers --------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            return list(text.encode())
+        return list(self.tokenizer.encode(text))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, spaces: bool = True) -> str:
+        if self.tokenizer is None:
+            return " ".join(str(i) for i in ids)
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces
+        )
+
+    def output_text(self, req: GenRequest) -> str:
+        """Detokenized output, trimmed like SGLang's detokenizer (`trim_matched_stop` unless no_stop_trim)."""
+        p = req.params
+        ids = req.output_ids
+        fr = req.finish_reason or {}
+        if not p.no_stop_trim and fr.get("type") == "stop" and isinstance(fr.get("matched"), int) and ids:
+            ids = ids[:-1]
+        text = self.decode(ids, p.skip_special_tokens, p.spaces_between_special_tokens)
+        if not p.no_stop_trim and fr.get("type") == "stop" and isinstance(fr.get("matched"), str):
+            pos = text.find(fr["matched"])
+            if pos >= 0:
+                text = text[:pos]
+        return text
+
+    def token_texts(self, req: GenRequest) -> list[str]:
+        return [self.decode([t], skip_special_tokens=False) for t in req.output_ids]
+
+    # ---- request lifecycle --------------------------------------------------------------------------
+    def submit(self, item: dict[str, Any]) -> GenRequest:
+        if self.released_tags:
+            # SGLang has no KV cache / weights to run on after release_memory_occupation.
+            raise BadRequest(f"memory is released (tags={sorted(self.released_tags)}); call resume_memory_occupation")
+        params = SamplingParams.from_json(item.get("sampling_params"))
+        if "input_ids" in item:
+            prompt_ids = [int(t) for t in item["input_ids"]]
+        else:
+            prompt_ids = self.encode(item["text"])
+        vocab = self.vocab_size()
+        if vocab and any(t < 0 or t >= vocab for t in prompt_ids):
+            raise BadRequest(f"input_ids out of range for vocab size {vocab}")
+        if item["rid"] in self.requests:
+            raise BadRequest(f"Duplicate request ID: {item['rid']}")
+        gen = torch.Generator()
+        if params.sampling_seed is not None:
+            gen.manual_seed(int(params.sampling_seed))
+        else:
+            self._seed_counter += 1
+            gen.manual_seed(self.random_seed * 1_000_003 + self._seed_counter)
+        req = GenRequest(
+            rid=item["rid"],
+            prompt_ids=prompt_ids,
+            params=params,
+            return_logprob=item.get("return_logprob", False),
+            return_text_in_logprobs=item.get("return_text_in_logprobs", False),
+            stream=item.get("stream", False),
+            generator=gen,
+        )
+        self.prepare(req)
+        self.requests[req.rid] = req
+        if params.max_new_tokens == 0:
+            req.finish(finish_length(0))
+        else:
+            self.waiting.append(req)
+            self._wakeup.set()
+        return req
+
+    def forget(self, req: GenRequest) -> None:
+        self.requests.pop(req.rid, None)
+
+    def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "Abort by user") -> int:
+        """Abort by rid (exact, or as a batch prefix `rid_i`) or all; return how many were aborted."""
+        n = 0
+        for r in list(self.requests.values()):
+            if r.finished:
+                continue
+            if abort_all or r.rid == rid or (rid and r.rid.startswith(f"{rid}_")):
+                r.finish(finish_abort(message))
+                n += 1
+        self._drop_finished()
+        return n
+
+    def _drop_finished(self) -> None:
+        self.running = [r for r in self.running if not r.finished]
+        self.waiting = deque(r for r in self.waiting if not r.finished)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    async def pause(self, mode: str = "abort") -> None:
+        if mode not in PAUSE_MODES:
+            raise BadRequest(f"Invalid mode: {mode!r}. Expected one of {list(PAUSE_MODES)}.")
+        self.paused = True
+        self._resumed.clear()
+        if mode == "abort":
+            self.abort(abort_all=True)
+        async with self.step_lock:  # return only once no step is in flight
+            pass
+
+    def continue_generation(self) -> None:
+        self.paused = False
+        self._resumed.set()
+        self._wakeup.set()
+
+    def release(self, tags: list[str] | None) -> None:
+        if self.num_unfinished:
+            raise BadRequest("release_memory_occupation needs an idle engine (pause or abort first)")
+        self.released_tags |= set(tags or ["kv_cache", "weights", "cuda_graph"])
+
+    def resume(self, tags: list[str] | None) -> None:
+        self.released_tags -= set(tags or ["kv_cache", "weights", "cuda_graph"])
+
+    def flush_cache(self) -> bool:
+        """SGLang refuses to flush while requests are running or waiting."""
+        return self.num_unfinished == 0
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self.abort(abort_all=True, message="server shutting down")
+        self._wakeup.set()
+        self._resumed.set()
+
+    # ---- weights (engines that have weights override) -------------------------------------------------
+    async def load_named_tensors(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Default: accept and discard (scripted / synthetic engines have no weights)."""
+
+    async def load_from_disk(self, model_path: str) -> None:
+        """Default: nothing to load."""
+
+    # ---- scheduler loop -----------------------------------------------------------------------------
+    def _check_finished(self, req: GenRequest) -> None:
+        p = req.params
+        if len(req.output_ids) >= p.max_new_tokens:
+            req.finish(finish_length(p.max_new_tokens))
+            return
+        last = req.output_ids[-1]
+        if not p.ignore_eos and (last in p.stop_token_ids or last in self.eos_token_ids()):
+            req.finish(finish_matched(last))
+            return
+        if p.stop:
+            window = max(len(s) for s in p.stop) + 8
+            tail = self.decode(req.output_ids[-window:], p.skip_special_tokens, p.spaces_between_special_tokens)
+            for s in p.stop:
+                if s in tail:
+                    req.finish(finish_matched(s))
+                    return
+
+    async def run(self) -> None:
+        while not self._stopping:
+            if self.paused:
+                await self._resumed.wait()
+                continue
+            while self.waiting and len(self.running) < self.max_running_requests:
+                self.running.append(self.waiting.popleft())
+            if not self.running:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            batch = list(self.running)
+            async with self.step_lock:
+                try:
+                    results = await self.step(batch)
+                except Exception as e:  # a broken step must not hang clients: fail the batch loudly
+                    logger.exception("engine step failed")
+                    for r in batch:
+                        r.finish(finish_abort(f"engine error: {e}"))
+                    results = []
+                self.steps += 1
+            for req, (tok, lp) in zip(batch, results, strict=False):
+                if req.finished:  # aborted while the step ran
+                    continue
+                req.output_ids.append(int(tok))
+                req.output_logprobs.append(float(lp))
+                self._check_finished(req)
+                req.changed.set()
+            self._drop_finished()
+            await asyncio.sleep(0)

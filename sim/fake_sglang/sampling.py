@@ -1,0 +1,56 @@
+"""Token sampling with SGLang's semantics, as a pure function of logits so it can be unit-tested alone.
+
+Why this matters: the trainer recomputes log-probs as `log_softmax(logits / temperature)` and compares them
+with what the engine returned, so the fake must return exactly that quantity — over the FULL vocabulary,
+not renormalised after top-p / top-k / min-p truncation (SGLang: python/sglang/srt/layers/sampler.py computes
+`logprobs = log_softmax(logits)` after dividing by temperature and before the top-k/top-p filtering).
+Temperature 0 means greedy; SGLang then treats it as temperature 1 with top_k 1
+(python/sglang/srt/sampling/sampling_params.py: `_SAMPLING_EPS`), so the log-probs are plain `log_softmax(logits)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SAMPLING_EPS = 1e-6
+
+
+def filter_probs(probs: torch.Tensor, top_p: float = 1.0, top_k: int = -1, min_p: float = 0.0) -> torch.Tensor:
+    """Zero out tokens outside top-k / top-p / min-p and renormalise (1-D `probs`)."""
+    probs = probs.clone()
+    vocab = probs.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(probs, top_k).values[-1]
+        probs[probs < kth] = 0.0
+    if top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_p, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the token that crosses the line stays).
+        drop = (cum - sorted_p) > top_p
+        sorted_p[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+    if min_p > 0.0:
+        probs[probs < min_p * probs.max()] = 0.0
+    return probs / probs.sum()
+
+
+def sample_one(
+    logits: torch.Tensor,
+    *,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    min_p: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[int, float]:
+    """Sample one token from 1-D fp32 `logits`; return (token_id, logprob) with SGLang's log-prob semantics."""
+    logits = logits.float()
+    if temperature < SAMPLING_EPS or top_k == 1:
+        logprobs = torch.log_softmax(logits if temperature < SAMPLING_EPS else logits / temperature, dim=-1)
+        tok = int(torch.argmax(logits))
+        return tok, float(logprobs[tok])
+    scaled = logits / temperature
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    probs = filter_probs(torch.softmax(scaled, dim=-1), top_p=top_p, top_k=top_k, min_p=min_p)
+    tok = int(torch.multinomial(probs, 1, generator=generator))
+    return tok, float(logprobs[tok])

@@ -1,0 +1,366 @@
+"""aiohttp app speaking SGLang 0.5.23's native HTTP API in front of a fake `Engine`.
+
+Routes and answer shapes mirror python/sglang/srt/entrypoints/http_server.py (cited per handler). Every
+request is appended to a JSONL log (`--request-log`) so tests can read what the engine did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+
+from sim.fake_sglang.engine import Engine
+from sim.fake_sglang.protocol import BadRequest, GenRequest, build_response, normalize_generate_body
+from sim.fake_sglang.weights import decode_payload
+
+logger = logging.getLogger(__name__)
+
+SGLANG_VERSION = "0.5.23"
+ENGINE_KEY = web.AppKey("engine", Engine)
+STATE_KEY = web.AppKey("state", dict)
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+    # http_server.py: _create_error_response -> {"error": {"message": ...}}, 400
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+class RequestLog:
+    """Append-only JSONL, flushed per line (tests read it while the server runs)."""
+
+    def __init__(self, path: str | None) -> None:
+        self._f = open(path, "a", buffering=1) if path else None  # noqa: SIM115 - lives as long as the server
+
+    def write(self, rec: dict[str, Any]) -> None:
+        if self._f is not None:
+            self._f.write(json.dumps(rec, default=str) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+
+
+def _summary(resp: dict[str, Any]) -> dict[str, Any]:
+    m = resp["meta_info"]
+    return {
+        "rid": m["id"],
+        "output_ids": resp["output_ids"],
+        "finish_reason": m["finish_reason"],
+        "weight_version": m["weight_version"],
+        "prompt_tokens": m["prompt_tokens"],
+        "completion_tokens": m["completion_tokens"],
+    }
+
+
+def build_app(engine: Engine, *, server_args: dict[str, Any], request_log: str | None = None) -> web.Application:
+    log = RequestLog(request_log)
+    state: dict[str, Any] = {"server_args": server_args}
+
+    def respond(req: GenRequest) -> dict[str, Any]:
+        return build_response(
+            req,
+            engine.output_text(req),
+            engine.weight_version,
+            engine.token_texts(req) if req.return_text_in_logprobs else None,
+        )
+
+    @web.middleware
+    async def logging_mw(request: web.Request, handler: Any) -> web.StreamResponse:
+        t0 = time.time()
+        request["log"] = {}
+        resp = await handler(request)
+        rec = {"endpoint": request.path, "method": request.method, "ts_start": t0, "ts_end": time.time()}
+        rec["status"] = resp.status
+        rec.update(request["log"])
+        log.write(rec)
+        return resp
+
+    async def body_of(request: web.Request) -> dict[str, Any]:
+        if not request.can_read_body:
+            return {}
+        try:
+            data = await request.json()
+        except json.JSONDecodeError as e:
+            raise BadRequest(f"invalid JSON body: {e}") from e
+        return data if isinstance(data, dict) else {"_list": data}
+
+    # ---- /generate (http_server.py: generate_request; tokenizer_manager.py: generate_request) ----------
+    async def generate(request: web.Request) -> web.StreamResponse:
+        try:
+            body = await body_of(request)
+            request["log"]["body"] = body
+            is_batch, items = normalize_generate_body(body)
+            reqs = [engine.submit(it) for it in items]
+        except BadRequest as e:
+            return _error(str(e))
+        try:
+            if body.get("stream"):
+                return await _stream(request, reqs, is_batch)
+            for r in reqs:
+                while not r.finished:
+                    r.changed.clear()
+                    if not r.finished:
+                        await r.changed.wait()
+            outs = [respond(r) for r in reqs]
+            request["log"]["responses"] = [_summary(o) for o in outs]
+            return web.json_response(outs if is_batch else outs[0])
+        except asyncio.CancelledError:
+            # Client went away: SGLang aborts the request (tokenizer_manager.create_abort_task).
+            for r in reqs:
+                engine.abort(rid=r.rid, message="client disconnected")
+            raise
+        finally:
+            for r in reqs:
+                if r.finished:
+                    engine.forget(r)
+
+    async def _stream(request: web.Request, reqs: list[GenRequest], is_batch: bool) -> web.StreamResponse:
+        # http_server.py: SSE `data: <json>\n\n` chunks, cumulative output (incremental_streaming_output=False),
+        # then `data: [DONE]`. finish_reason is null in every chunk before the last of a request.
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        sent = [0] * len(reqs)
+        done = [False] * len(reqs)
+        while True:
+            for r in reqs:
+                r.changed.clear()  # clear before reading state, so no update is missed
+            for i, r in enumerate(reqs):
+                if not done[i] and (r.finished or len(r.output_ids) != sent[i]):
+                    out = respond(r)
+                    if is_batch:
+                        out["index"] = i
+                    await resp.write(b"data: " + json.dumps(out).encode() + b"\n\n")
+                    sent[i], done[i] = len(r.output_ids), r.finished
+            if all(done):
+                break
+            waiters = [asyncio.ensure_future(r.changed.wait()) for r, d in zip(reqs, done, strict=True) if not d]
+            try:
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waiters:
+                    w.cancel()
+        await resp.write(b"data: [DONE]\n\n")
+        request["log"]["responses"] = [_summary(respond(r)) for r in reqs]
+        await resp.write_eof()
+        return resp
+
+    # ---- control endpoints --------------------------------------------------------------------------
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def health_generate(request: web.Request) -> web.Response:
+        # http_server.py: health_generate runs a 1-token greedy generation on input_ids [0].
+        try:
+            r = engine.submit(
+                {
+                    "rid": f"HEALTH_CHECK_{time.time()}",
+                    "input_ids": [0],
+                    "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                }
+            )
+        except BadRequest:
+            return web.Response(status=503)
+        try:
+            await asyncio.wait_for(_wait(r), timeout=float(state["server_args"].get("health_check_timeout", 20)))
+        except TimeoutError:
+            engine.abort(rid=r.rid)
+            return web.Response(status=503)
+        finally:
+            engine.forget(r)
+        return web.Response(status=200)
+
+    async def _wait(r: GenRequest) -> None:
+        while not r.finished:
+            r.changed.clear()
+            if not r.finished:
+                await r.changed.wait()
+
+    async def model_info(request: web.Request) -> web.Response:
+        # http_server.py: get_model_info
+        sa = state["server_args"]
+        return web.json_response(
+            {
+                "model_path": sa.get("model_path"),
+                "tokenizer_path": sa.get("tokenizer_path"),
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": engine.weight_version,
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+            }
+        )
+
+    async def server_info(request: web.Request) -> web.Response:
+        # http_server.py: get_server_info = server args + scheduler info + internal_states + version.
+        sa = dict(state["server_args"], weight_version=engine.weight_version)
+        internal = {
+            "engine": engine.name,
+            "paused": engine.paused,
+            "released_tags": sorted(engine.released_tags),
+            "num_running_reqs": len(engine.running),
+            "num_waiting_reqs": len(engine.waiting),
+            "decode_steps": engine.steps,
+        }
+        return web.json_response({**sa, "internal_states": [internal], "version": SGLANG_VERSION})
+
+    async def weight_version(request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": engine.weight_version})
+
+    async def abort_request(request: web.Request) -> web.Response:
+        # http_server.py: abort_request(AbortReq{rid, abort_all}) -> 200 empty.
+        try:
+            body = await body_of(request)
+        except BadRequest as e:
+            return _error(str(e))
+        request["log"]["body"] = body
+        n = engine.abort(rid=body.get("rid"), abort_all=bool(body.get("abort_all", False)))
+        request["log"]["aborted"] = n
+        return web.Response(status=200)
+
+    async def flush_cache(request: web.Request) -> web.Response:
+        # http_server.py: flush_cache -> 200 text, 400 when requests are running or waiting.
+        ok = engine.flush_cache()
+        return web.Response(
+            text="Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
+            "requests, the operation will not be performed.)\n",
+            status=200 if ok else 400,
+        )
+
+    async def pause_generation(request: web.Request) -> web.Response:
+        # io_struct.py: PauseGenerationReqInput.mode in {abort, retract, in_place}, default abort.
+        try:
+            body = await body_of(request)
+            request["log"]["body"] = body
+            await engine.pause(body.get("mode", "abort"))
+        except BadRequest as e:
+            return _error(str(e))
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(request: web.Request) -> web.Response:
+        engine.continue_generation()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def _weights_common(request: web.Request, body: dict[str, Any], load: Any) -> web.Response:
+        # http_server.py: update_weights_from_* -> {"success", "message"}, 200 or 400; weight_version set
+        # only on success (_update_weight_version_if_provided).
+        if body.get("abort_all_requests"):
+            engine.abort(abort_all=True)
+        try:
+            await load()
+        except (BadRequest, ValueError, KeyError, TypeError, RuntimeError, OSError) as e:
+            logger.warning("weight update failed: %s", e)
+            return web.json_response({"success": False, "message": f"Failed to update weights: {e}"}, status=400)
+        message = "Succeeded to update model weights."
+        if body.get("weight_version") is not None:
+            engine.weight_version = str(body["weight_version"])
+            message += f" Weight version updated to {engine.weight_version}."
+        return web.json_response({"success": True, "message": message})
+
+    async def update_weights_from_tensor(request: web.Request) -> web.Response:
+        try:
+            body = await body_of(request)
+        except BadRequest as e:
+            return _error(str(e))
+        request["log"]["body"] = {k: v for k, v in body.items() if k != "serialized_named_tensors"}
+        request["log"]["body"]["num_serialized"] = len(body.get("serialized_named_tensors") or [])
+
+        async def load() -> None:
+            named = await asyncio.to_thread(
+                decode_payload, body.get("serialized_named_tensors") or [], body.get("load_format")
+            )
+            request["log"]["tensor_names"] = [n for n, _ in named]
+            await engine.load_named_tensors(named)
+
+        return await _weights_common(request, body, load)
+
+    async def update_weights_from_disk(request: web.Request) -> web.Response:
+        try:
+            body = await body_of(request)
+        except BadRequest as e:
+            return _error(str(e))
+        request["log"]["body"] = body
+        if not body.get("model_path"):
+            return _error("model_path is required")
+
+        async def load() -> None:
+            await engine.load_from_disk(body["model_path"])
+            state["server_args"]["model_path"] = body["model_path"]
+
+        resp = await _weights_common(request, body, load)
+        # UpdateWeightFromDiskReqOutput also carries num_paused_requests.
+        data = json.loads(resp.text)
+        data["num_paused_requests"] = 0
+        return web.json_response(data, status=resp.status)
+
+    async def update_weight_version(request: web.Request) -> web.Response:
+        body = await body_of(request)
+        if body.get("abort_all_requests"):
+            engine.abort(abort_all=True)
+        engine.weight_version = str(body.get("new_version", ""))
+        return web.json_response(
+            {"success": True, "message": f"Weight version updated to {engine.weight_version}",
+             "new_version": engine.weight_version}
+        )  # fmt: skip
+
+    async def not_supported(request: web.Request) -> web.Response:
+        msg = f"{request.path} is not supported by fake_sglang on CPU; use /update_weights_from_tensor"
+        return web.json_response({"success": False, "message": msg}, status=400)
+
+    async def release_memory(request: web.Request) -> web.Response:
+        # http_server.py: release_memory_occupation(ReleaseMemoryOccupationReqInput{tags}) -> 200 empty.
+        try:
+            body = await body_of(request)
+            request["log"]["body"] = body
+            engine.release(body.get("tags"))
+        except BadRequest as e:
+            return _error(str(e))
+        return web.Response(status=200)
+
+    async def resume_memory(request: web.Request) -> web.Response:
+        body = await body_of(request)
+        request["log"]["body"] = body
+        engine.resume(body.get("tags"))
+        return web.Response(status=200)
+
+    async def on_bad_request(request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except BadRequest as e:
+            return _error(str(e))
+
+    app = web.Application(middlewares=[logging_mw, web.middleware(on_bad_request)], client_max_size=1 << 30)
+    app[ENGINE_KEY] = engine
+    app[STATE_KEY] = state
+    r = app.router
+    r.add_route("POST", "/generate", generate)
+    r.add_route("PUT", "/generate", generate)
+    r.add_get("/health", health)
+    r.add_get("/health_generate", health_generate)
+    for path in ("/get_model_info", "/model_info"):
+        r.add_get(path, model_info)
+    for path in ("/get_server_info", "/server_info"):
+        r.add_get(path, server_info)
+    r.add_get("/get_weight_version", weight_version)
+    r.add_post("/abort_request", abort_request)
+    r.add_route("*", "/flush_cache", flush_cache)
+    r.add_post("/pause_generation", pause_generation)
+    r.add_post("/continue_generation", continue_generation)
+    r.add_post("/update_weights_from_tensor", update_weights_from_tensor)
+    r.add_post("/update_weights_from_disk", update_weights_from_disk)
+    r.add_post("/update_weight_version", update_weight_version)
+    for path in ("/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group"):
+        r.add_post(path, not_supported)
+    r.add_route("*", "/release_memory_occupation", release_memory)
+    r.add_route("*", "/resume_memory_occupation", resume_memory)
+
+    async def on_cleanup(_app: web.Application) -> None:
+        log.close()
+
+    app.on_cleanup.append(on_cleanup)
+    return app

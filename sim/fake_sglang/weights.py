@@ -1,0 +1,143 @@
+"""Wire format of `/update_weights_from_tensor` on CPU, both sides (slime writes its own sender against this).
+
+Body (python/sglang/srt/managers/io_struct.py: UpdateWeightsFromTensorReqInput)::
+
+    {
+      "serialized_named_tensors": [S_rank0, S_rank1, ...],   # one entry per TP rank of the engine
+      "load_format": null | "flattened_bucket",
+      "flush_cache": true,
+      "abort_all_requests": false,
+      "weight_version": "3"                                  # optional; becomes meta_info.weight_version
+    }
+
+Each ``S`` is ``base64.b64encode(ForkingPickler.dumps(payload)).decode()`` — what SGLang's
+`MultiprocessingSerializer.serialize(obj, output_str=True)` produces (python/sglang/srt/utils/common.py).
+The sender first calls ``torch.multiprocessing.set_sharing_strategy("file_system")``, so pickling a CPU tensor
+moves its storage to named shared memory and only the name travels; the sender MUST keep the tensors
+referenced until the HTTP call returns (the receiver copies them into the model before answering).
+On GPU the same pickling yields CUDA IPC handles.
+
+``payload`` is, for ``load_format`` null, a list of ``(name, tensor)`` tuples in HF parameter names; for
+``"flattened_bucket"`` a dict ``{"flattened_tensor": 1-D tensor, "metadata": [m, ...]}`` where each ``m``
+mirrors SGLang's `FlattenedTensorMetadata` (python/sglang/srt/weight_sync/tensor_bucket.py): ``name``,
+``shape``, ``dtype``, ``start_idx``, ``end_idx``, ``numel`` — as attributes or as dict keys. Tensor ``i`` is
+``flattened_tensor[start_idx:end_idx].reshape(shape).to(dtype)``. The receiver here unpickles SGLang's own
+metadata class without SGLang installed (it is mapped to a local stand-in).
+
+The fake serves TP size 1, so it reads entry 0 (SGLang's rank r reads entry r).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import pickle
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+import torch.multiprocessing.reductions  # noqa: F401 - registers tensor reductions with ForkingPickler
+
+FLATTENED_BUCKET = "flattened_bucket"
+
+
+@dataclass
+class FlattenedTensorMetadata:
+    """Field-for-field stand-in for sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata."""
+
+    name: str
+    shape: Any
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+_SGLANG_METADATA_CLASSES = {
+    ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"),
+    ("sglang.srt.model_executor.model_runner", "FlattenedTensorMetadata"),
+}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _SGLANG_METADATA_CLASSES:
+            return FlattenedTensorMetadata
+        return super().find_class(module, name)
+
+
+def serialize(obj: Any) -> str:
+    """Sender side: pickle with torch's shared-memory reductions, base64 for JSON."""
+    mp.set_sharing_strategy("file_system")
+    buf = io.BytesIO()
+    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def deserialize(data: str | bytes) -> Any:
+    raw = base64.b64decode(data) if isinstance(data, str) else data
+    return _Unpickler(io.BytesIO(raw)).load()
+
+
+def flatten_bucket(named_tensors: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """Sender side of `flattened_bucket`: one flat tensor (common dtype) plus per-tensor metadata."""
+    if not named_tensors:
+        raise ValueError("cannot build an empty bucket")
+    flats, meta, offset = [], [], 0
+    for name, t in named_tensors:
+        flat = t.detach().reshape(-1)
+        meta.append(
+            FlattenedTensorMetadata(name, tuple(t.shape), t.dtype, offset, offset + flat.numel(), flat.numel())
+        )
+        flats.append(flat)
+        offset += flat.numel()
+    return {"flattened_tensor": torch.cat(flats), "metadata": meta}
+
+
+def _get(m: Any, key: str) -> Any:
+    return m[key] if isinstance(m, dict) else getattr(m, key)
+
+
+def decode_payload(serialized: list[str | bytes], load_format: str | None) -> list[tuple[str, torch.Tensor]]:
+    """Receiver side: entry 0 of `serialized_named_tensors` -> list of (name, tensor), copied out of shm."""
+    if not serialized:
+        raise ValueError("serialized_named_tensors is empty")
+    obj = deserialize(serialized[0])
+    if load_format == FLATTENED_BUCKET:
+        flat = obj["flattened_tensor"]
+        out = []
+        for m in obj["metadata"]:
+            t = flat[_get(m, "start_idx") : _get(m, "end_idx")].reshape(tuple(_get(m, "shape")))
+            out.append((_get(m, "name"), t.to(_get(m, "dtype")).clone()))
+        return out
+    if load_format not in (None, "direct"):
+        raise ValueError(f"unsupported load_format {load_format!r} (expected null or 'flattened_bucket')")
+    if isinstance(obj, dict):
+        obj = list(obj.items())
+    return [(str(n), t.clone()) for n, t in obj]
+
+
+def build_update_body(
+    named_tensors: list[tuple[str, torch.Tensor]],
+    *,
+    load_format: str | None = None,
+    weight_version: str | None = None,
+    flush_cache: bool = True,
+    tp_size: int = 1,
+) -> tuple[dict[str, Any], Any]:
+    """Reference sender (tests, docs): (JSON body for `/update_weights_from_tensor`, keepalive object).
+
+    Keep the returned keepalive (and `named_tensors`) referenced until the request returns: their storages
+    are now the shared memory the server maps.
+    """
+    payload: Any = flatten_bucket(named_tensors) if load_format == FLATTENED_BUCKET else list(named_tensors)
+    s = serialize(payload)
+    body = {
+        "serialized_named_tensors": [s] * tp_size,
+        "load_format": load_format,
+        "flush_cache": flush_cache,
+        "weight_version": weight_version,
+    }
+    return body, payload

@@ -1,0 +1,179 @@
+"""The argv of one inference server: real SGLang (`python -m sglang.launch_server`) or `python -m sim.fake_sglang`.
+
+Why argv and not an in-process `ServerArgs`: SGLang is not importable where slime runs on CPU, and a
+command line is what the engine actor spawns anyway. Values are merged per ServerArgs dest with rising
+priority — slime's per-engine settings (spec §1.9), the user's `--sglang-*` flags, then the `--sglang-config`
+group's `overrides` — and each dest is rendered once, in the form SGLang's parser expects (the snapshot's
+action kind says how: bare flag, `--x/--no-x`, one value, or nargs values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Any, Literal
+
+from slime.backends.sglang.flags import sglang_options_by_dest, sglang_overrides_from_args
+from slime.utils.errors import SlimeArgError
+
+logger = logging.getLogger(__name__)
+
+WORKER_TYPES = ("regular", "prefill", "decode", "encoder")
+
+
+def _token(value: Any) -> str:
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _render(opt: dict[str, Any], value: Any) -> list[str]:
+    """Tokens for one ServerArgs dest, driven by the snapshot's action kind."""
+    names = opt["option_strings"]
+    positive = next(s for s in names if not s.startswith("--no-"))
+    kind, nargs = opt["action"], opt["nargs"]
+    if kind == "boolean_optional":
+        negative = next((s for s in names if s.startswith("--no-")), None)
+        return [positive] if value else ([negative] if negative else [])
+    if kind in ("store_true", "flag", "store_const"):
+        return [positive] if value else []
+    if kind == "store_false":
+        return [] if value else [positive]
+    if kind == "count":
+        return [positive] * int(value)
+    if kind in ("append", "extend"):
+        out: list[str] = []
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            many = nargs not in (None, "?") and isinstance(item, (list, tuple))
+            out += [positive, *(map(_token, item) if many else [_token(item)])]
+        return out
+    if nargs in (None, "?") or (opt["type"] == "json" and not isinstance(value, (list, tuple))):
+        return [positive, _token(value)]
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return [positive, *map(_token, items)]
+
+
+def _slime_settings(
+    args: argparse.Namespace,
+    *,
+    host: str,
+    port: int,
+    base_gpu_id: int,
+    num_gpus: int,
+    rank: int,
+    nccl_port: int | None,
+    dist_init_addr: str | None,
+    worker_type: str,
+    bootstrap_port: int | None,
+    pp_size: int,
+    model_path: str | None,
+) -> dict[str, Any]:
+    gpus_per_node = getattr(args, "num_gpus_per_node", 8) or 8
+    nnodes = max(1, num_gpus // gpus_per_node) if num_gpus > gpus_per_node else 1
+    if num_gpus % pp_size:
+        raise SlimeArgError(f"--sglang-pp-size {pp_size} does not divide the engine's {num_gpus} GPUs")
+    s: dict[str, Any] = {
+        "model_path": model_path or args.hf_checkpoint,
+        "trust_remote_code": True,
+        "random_seed": args.seed + rank,
+        "enable_memory_saver": bool(getattr(args, "offload_rollout", False)),
+        "host": host,
+        "port": port,
+        "nccl_port": nccl_port,
+        "dist_init_addr": dist_init_addr,
+        "nnodes": nnodes,
+        "node_rank": rank % nnodes,
+        "base_gpu_id": base_gpu_id,
+        "gpu_id_step": 1,
+        "tp_size": num_gpus // pp_size,
+        "skip_server_warmup": True,
+    }
+    if worker_type == "prefill":
+        s.update(disaggregation_mode="prefill", load_balance_method="follow_bootstrap_room")
+        s["disaggregation_bootstrap_port"] = bootstrap_port
+    elif worker_type == "decode":
+        s["disaggregation_mode"] = "decode"
+    elif worker_type == "encoder":
+        s["encoder_only"] = True
+    if getattr(args, "use_rollout_routing_replay", False):
+        s["enable_return_routed_experts"] = True
+    return {k: v for k, v in s.items() if v is not None}
+
+
+def _sim_argv(args: argparse.Namespace, host: str, port: int, rank: int, model_path: str | None) -> list[str]:
+    """The fixed CLI of sim/fake_sglang (written by another module; slime only starts it as a command)."""
+    import torch
+
+    engine = args.sim_engine
+    argv = [sys.executable, "-m", "sim.fake_sglang", "--host", host, "--port", str(port), "--engine", engine]
+    argv += ["--model-path", str(model_path or args.hf_checkpoint), "--random-seed", str(args.seed + rank)]
+    if engine == "scripted":
+        argv += ["--script", str(args.sim_script)]
+    if engine == "synthetic":
+        argv += ["--synthetic-config", str(args.sim_synthetic_config)]
+    if getattr(args, "sim_request_log_dir", None):
+        argv += ["--request-log", os.path.join(args.sim_request_log_dir, f"engine_{rank}.jsonl")]
+    argv += ["--device", "cuda" if torch.cuda.is_available() else "cpu"]
+    return argv
+
+
+def build_server_argv(
+    args: argparse.Namespace,
+    *,
+    backend: Literal["sglang", "sim"],
+    host: str,
+    port: int,
+    base_gpu_id: int = 0,
+    num_gpus: int = 1,
+    rank: int = 0,
+    nccl_port: int | None = None,
+    dist_init_addr: str | None = None,
+    worker_type: str = "regular",
+    bootstrap_port: int | None = None,
+    overrides: dict[str, Any] | None = None,
+    model_path: str | None = None,
+) -> list[str]:
+    """The command line of engine `rank`; `overrides` (a --sglang-config group's) win over everything."""
+    if backend == "sim":
+        return _sim_argv(args, host, port, rank, model_path)
+    if backend != "sglang":
+        raise ValueError(f"unknown backend {backend!r}")
+    if worker_type not in WORKER_TYPES:
+        raise SlimeArgError(f"worker_type {worker_type!r} does not start an engine; expected one of {WORKER_TYPES}")
+    if worker_type == "prefill" and bootstrap_port is None:
+        raise SlimeArgError("a prefill engine needs a bootstrap_port")
+    opts = sglang_options_by_dest()
+    normalized = {str(k).replace("-", "_"): v for k, v in (overrides or {}).items()}
+    user = sglang_overrides_from_args(args)
+    pp_size = int(normalized.get("pp_size") or user.get("pp_size") or 1)
+    merged = _slime_settings(
+        args,
+        host=host,
+        port=port,
+        base_gpu_id=base_gpu_id,
+        num_gpus=num_gpus,
+        rank=rank,
+        nccl_port=nccl_port,
+        dist_init_addr=dist_init_addr,
+        worker_type=worker_type,
+        bootstrap_port=bootstrap_port,
+        pp_size=pp_size,
+        model_path=normalized.pop("model_path", None) or model_path,
+    )
+    merged.update(user)
+    for key, value in normalized.items():
+        if key not in opts:
+            # Validated up front (validate_override_keys); a newer SGLang may still lack an older field.
+            logger.warning("dropping override %r: not a ServerArgs flag of this SGLang snapshot", key)
+            continue
+        merged[key] = value
+    argv = [sys.executable, "-m", "sglang.launch_server"]
+    for dest, value in merged.items():
+        if value is not None:
+            argv += _render(opts[dest], value)
+    return argv

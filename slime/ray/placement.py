@@ -1,0 +1,124 @@
+"""Ray start-up and the single placement group (spec §1.2).
+
+On machines without GPUs Ray's resources are logical (design.md §6): the driver starts Ray with `num_gpus` =
+the placement group's size and actors request the same fractional GPUs as on GPU hosts (train actor 0.4,
+engine 0.2), so a 2-core laptop hosts a whole "8-GPU" topology.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+from argparse import Namespace
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+logger = logging.getLogger(__name__)
+
+# Keep Ray on loopback, no usage stats, no auth token file (dependency-probes §4).
+RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+# Ray must not narrow CUDA_VISIBLE_DEVICES per actor: engines address GPUs by base_gpu_id, as in slime.
+ACTOR_ENV = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "NCCL_CUMEM_ENABLE": "0"}
+BUNDLE_CPU = 0.1
+
+
+def placement_group_size(args: Namespace) -> tuple[int, int]:
+    """(bundles, rollout offset) as spec §1.2 computes them ([HEAD] colocate rule: the larger of the two)."""
+    actor_gpus = args.actor_num_nodes * args.actor_num_gpus_per_node
+    if args.debug_train_only:
+        return actor_gpus, 0
+    if args.debug_rollout_only:
+        return args.rollout_num_gpus, 0
+    if args.colocate:
+        return max(actor_gpus, args.rollout_num_gpus), 0
+    if args.rollout_external:
+        return actor_gpus, actor_gpus
+    return actor_gpus + args.rollout_num_gpus, actor_gpus
+
+
+def init_ray(args: Namespace) -> None:
+    """Start (or join) Ray. Workers get the driver's cwd on PYTHONPATH so `--*-path` hooks of the project import."""
+    for k, v in RAY_ENV.items():
+        os.environ.setdefault(k, v)
+    if ray.is_initialized():
+        return
+    python_path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
+    runtime_env = {"env_vars": {**RAY_ENV, **ACTOR_ENV, "PYTHONPATH": python_path}}
+    if args.ray_address:
+        ray.init(address=args.ray_address, runtime_env=runtime_env, log_to_driver=True)
+        return
+    num_bundles, _ = placement_group_size(args)
+    import torch
+
+    has_gpu = torch.cuda.is_available()
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, 2) + 2,
+        num_gpus=None if has_gpu else max(num_bundles, 1),
+        include_dashboard=False,
+        runtime_env=runtime_env,
+        object_store_memory=256 * 1024**2,
+        log_to_driver=True,
+    )
+
+
+@ray.remote(num_cpus=0)
+class _InfoActor:
+    def info(self) -> tuple[str, int]:
+        gpu_ids = ray.get_gpu_ids()
+        return ray.util.get_node_ip_address(), int(gpu_ids[0]) if gpu_ids else 0
+
+
+def _ip_key(ip: str) -> tuple[int, ...]:
+    try:
+        return tuple(ipaddress.ip_address(ip).packed)
+    except ValueError:
+        try:
+            return tuple(ipaddress.ip_address(socket.gethostbyname(ip)).packed)
+        except (OSError, ValueError):
+            return tuple(ord(c) for c in ip)
+
+
+@dataclass
+class Placement:
+    """One PG; `bundle_indices[k]` is the bundle of logical GPU k (sorted by node IP, then GPU id)."""
+
+    pg: PlacementGroup
+    bundle_indices: list[int]
+    gpu_ids: list[int]
+    rollout_offset: int
+
+    def strategy(self, logical_gpu: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.pg, placement_group_bundle_index=self.bundle_indices[logical_gpu]
+        )
+
+
+def create_placement_group(args: Namespace) -> Placement:
+    num_bundles, rollout_offset = placement_group_size(args)
+    if num_bundles == 0:
+        raise ValueError("the run needs no GPUs at all; nothing to place")
+    pg = placement_group([{"GPU": 1, "CPU": BUNDLE_CPU} for _ in range(num_bundles)], strategy="PACK")
+    ray.get(pg.ready(), timeout=120)
+    infos = []
+    for i in range(num_bundles):
+        actor = _InfoActor.options(
+            num_gpus=0.01,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i),
+        ).remote()
+        infos.append((actor, i))
+    located = [(ray.get(a.info.remote()), i) for a, i in infos]
+    for a, _ in infos:
+        ray.kill(a)
+    located.sort(key=lambda x: (_ip_key(x[0][0]), x[0][1]))
+    logger.info("placement group: %d bundles, rollout offset %d", num_bundles, rollout_offset)
+    return Placement(
+        pg=pg,
+        bundle_indices=[i for _, i in located],
+        gpu_ids=[info[1] for info, _ in located],
+        rollout_offset=rollout_offset,
+    )

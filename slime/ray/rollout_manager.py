@@ -1,0 +1,183 @@
+"""`RolloutManager`: owns the data source, the rollout/eval functions, the engines and the router (spec §1.2).
+
+It turns each rollout's samples into per-DP-rank train data (`train_data.py`) and hands the trainer one
+object ref per rank. In `--debug-train-only` / `--load-debug-rollout-data` it starts no engine and no
+router: rollouts are read from the dump instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from argparse import Namespace
+from typing import Any
+
+import ray
+import torch
+
+from slime.ray.placement import Placement
+from slime.ray.train_data import build_rank_data, flatten_samples
+from slime.rollout.base_types import call_rollout_fn
+from slime.scheduling.carry import CarryBuffer
+from slime.utils.misc import load_function
+from slime.utils.types import Sample
+
+logger = logging.getLogger(__name__)
+
+ENGINE_GPU = 0.2
+
+
+def dump_path(template: str, rollout_id: int) -> str:
+    return template.format(rollout_id=rollout_id)
+
+
+class RolloutManager:
+    def __init__(self, args: Namespace, placement: Placement | None) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        self.args = args
+        self.placement = placement
+        self.carry = CarryBuffer()
+        self.parallel_config: dict[str, int] = {"dp_size": 1, "cp_size": 1}
+        self.engines: list[Any] = []
+        self.router = None
+        self.data_source = None
+        from slime.utils.tracking import Tracker
+
+        self.tracker = Tracker(args)
+        if not args.load_debug_rollout_data:
+            self.data_source = load_function(args.data_source_path)(args)
+        self.rollout_fn = load_function(args.rollout_function_path)
+        self.eval_fn = load_function(args.eval_function_path)
+        if not args.debug_train_only:
+            self._start_servers()
+
+    # ---- servers ---------------------------------------------------------------------------------------------
+    def _start_servers(self) -> None:
+        from slime.backends.sglang.engine import SGLangEngine
+        from slime.backends.sglang.router import RouterProcess
+        from slime.utils.http_utils import find_free_port
+
+        args = self.args
+        log_dir = os.path.join(args.metrics_dir, "servers")
+        os.makedirs(log_dir, exist_ok=True)
+        if args.sglang_router_ip and args.sglang_router_port:
+            router_url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}"  # reuse the user's router
+        else:
+            self.router = RouterProcess.start(
+                args, host="127.0.0.1", port=find_free_port(), log_file=os.path.join(log_dir, "router.log")
+            )
+            router_url = self.router.url
+        per_engine = args.rollout_num_gpus_per_engine
+        num_engines = args.rollout_num_gpus // per_engine
+        engine_cls = ray.remote(SGLangEngine)
+        for i in range(num_engines):
+            gpu = self.placement.rollout_offset + i * per_engine
+            self.engines.append(
+                engine_cls.options(
+                    num_gpus=ENGINE_GPU, num_cpus=0.01, scheduling_strategy=self.placement.strategy(gpu)
+                ).remote(args, i, base_gpu_id=self.placement.gpu_ids[gpu], num_gpus=per_engine, log_dir=log_dir)
+            )
+        urls = ray.get([e.start.remote() for e in self.engines])
+        for url in urls:
+            if self.router is not None:
+                self.router.add_worker(url)
+        host, port = router_url.removeprefix("http://").rsplit(":", 1)
+        args.sglang_router_ip, args.sglang_router_port = host, int(port)
+        args.sglang_model_routers = {args.model_name or "actor": router_url}
+        self.engine_urls = urls
+        logger.info("%d engines behind router %s", len(urls), router_url)
+
+    def server_info(self) -> dict[str, Any]:
+        """Pids and URLs of what this manager started (tests check identity and clean-up with psutil)."""
+        return {
+            "router_pid": self.router.pid if self.router is not None else None,
+            "router_url": self.router.url if self.router is not None else None,
+            "engine_pids": ray.get([e.pid.remote() for e in self.engines]),
+            "engine_urls": list(getattr(self, "engine_urls", [])),
+            "manager_pid": os.getpid(),
+            "dist_initialized": torch.distributed.is_available() and torch.distributed.is_initialized(),
+        }
+
+    # ---- rollouts --------------------------------------------------------------------------------------------
+    def num_rollout_per_epoch(self) -> int:
+        return len(self.data_source) // self.args.rollout_batch_size if self.data_source is not None else 0
+
+    def set_train_parallel_config(self, config: dict[str, int]) -> None:
+        self.parallel_config = dict(config)
+
+    def _load_dump(self, rollout_id: int) -> list[Sample]:
+        path = dump_path(self.args.load_debug_rollout_data, rollout_id)
+        data = torch.load(path, weights_only=False)
+        samples = [Sample.from_dict(d) for d in data["samples"]]
+        frac = self.args.load_debug_rollout_data_subsample
+        if frac is not None:
+            rng = random.Random(rollout_id)
+            keep = {s.group_id for s in samples if rng.random() < frac}
+            samples = [s for s in samples if s.group_id in keep]
+        return samples
+
+    def generate(self, rollout_id: int) -> list[Any] | None:
+        """Run one rollout; returns one object ref per DP rank (None under --debug-rollout-only)."""
+        metrics: dict[str, float] = {}
+        if self.args.load_debug_rollout_data:
+            samples = self._load_dump(rollout_id)
+        else:
+            out = call_rollout_fn(self.rollout_fn, self.args, rollout_id, self.data_source, evaluation=False)
+            samples = flatten_samples(out.samples)
+            metrics.update(out.metrics or {})
+            if self.args.save_debug_rollout_data:
+                path = dump_path(self.args.save_debug_rollout_data, rollout_id)
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                tmp = f"{path}.tmp"
+                torch.save({"rollout_id": rollout_id, "samples": [s.to_dict() for s in samples]}, tmp)
+                os.replace(tmp, path)
+        metrics.update(self._rollout_metrics(samples))
+        if self.args.debug_rollout_only:
+            self.tracker.log(metrics, step=rollout_id, kind="rollout")
+            return None
+        rank_data, sched_metrics = build_rank_data(self.args, rollout_id, samples, self.carry, self.parallel_config)
+        metrics.update(sched_metrics)
+        self.tracker.log(metrics, step=rollout_id, kind="rollout")
+        return [ray.put(d) for d in rank_data]
+
+    def _rollout_metrics(self, samples: list[Sample]) -> dict[str, float]:
+        if not samples:
+            return {"rollout/num_samples": 0.0}
+        n = len(samples)
+        return {
+            "rollout/num_samples": float(n),
+            "rollout/raw_reward_mean": sum(s.get_reward_value(self.args) for s in samples) / n,
+            "rollout/response_len_mean": sum(s.response_length for s in samples) / n,
+        }
+
+    def eval(self, rollout_id: int) -> dict[str, float]:
+        if self.args.eval_prompt_data is None or self.args.debug_train_only:
+            return {}
+        out = call_rollout_fn(self.eval_fn, self.args, rollout_id, self.data_source, evaluation=True)
+        metrics = dict(out.metrics or {})
+        for name, d in out.data.items():
+            rewards = d["rewards"]
+            metrics[f"eval/{name}"] = sum(rewards) / max(len(rewards), 1)
+        self.tracker.log(metrics, step=rollout_id, kind="eval")
+        return metrics
+
+    def save(self, rollout_id: int, path: str) -> None:
+        if self.data_source is not None:
+            self.data_source.save(rollout_id, path)
+
+    def load(self, rollout_id: int, path: str) -> None:
+        if self.data_source is not None:
+            self.data_source.load(rollout_id, path)
+
+    def dispose(self) -> None:
+        for e in self.engines:
+            try:
+                ray.get(e.shutdown.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - best effort: the engine may already be gone
+                logger.warning("engine shutdown failed", exc_info=True)
+        self.engines = []
+        if self.router is not None:
+            self.router.stop()
+            self.router = None
+        self.tracker.close()

@@ -1,0 +1,229 @@
+"""Per-sample generation against the SGLang router: the default `generate`, and `generate_and_rm`, which wraps
+any generate function (default or `--custom-generate-function-path`) with the concurrency limit and reward.
+
+Wire format mirrored from SGLang 0.5.23 (python/sglang/srt/managers/io_struct.py `GenerateReqInput`: input_ids,
+sampling_params, return_logprob; python/sglang/srt/entrypoints/http_server.py `/generate`, whose answer is
+`{text, output_ids, meta_info}` with `meta_info.output_token_logprobs = [[logprob, token_id, text|None], ...]`
+and `meta_info.finish_reason = {"type": "length"|"stop"|"abort", ...}`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import logging
+from typing import Any
+
+from slime.rollout.dataset import load_tokenizer
+from slime.rollout.rm_hub import async_rm, batched_async_rm
+from slime.utils.http_utils import post_json
+from slime.utils.misc import load_function
+from slime.utils.types import Sample, Status
+
+logger = logging.getLogger(__name__)
+
+# sglang-router (SGLang Model Gateway) hashes this header under `--policy consistent_hashing`, so every turn
+# of a session, and every sample of a prompt group, lands on the engine that holds its prefix in cache.
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+
+
+def get_model_url(args: Any, name: str | None = None, endpoint: str = "/generate") -> str:
+    """The router URL of model `name` (from `--sglang-config`), or of the actor model when `name` is None."""
+    if name is None:
+        return f"http://{args.sglang_router_ip}:{args.sglang_router_port}{endpoint}"
+    routers: dict[str, str] = getattr(args, "sglang_model_routers", None) or {}
+    if name not in routers:
+        raise KeyError(
+            f"no router for model {name!r}; known models: {sorted(routers) or 'none'} (see --sglang-config)"
+        )
+    return routers[name].rstrip("/") + endpoint
+
+
+def derive_sampling_seed(rollout_seed: int, rollout_id: int, index: int) -> int:
+    """A seed fixed by (seed, rollout, trajectory), so a resumed run regenerates what the lost run generated.
+    A hash, not a sum, so neighbouring rollouts/indices do not share seeds."""
+    digest = hashlib.blake2b(f"{rollout_seed}:{rollout_id}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2**31 - 1)
+
+
+def flatten_group(group: list[Sample | list[Sample]]) -> list[Sample]:
+    return [s for item in group for s in (item if isinstance(item, list) else [item])]
+
+
+def base_sampling_params(args: Any, evaluation: bool = False) -> dict[str, Any]:
+    """SGLang sampling params from the flags; `--eval-*` values default to the rollout ones."""
+
+    def pick(name: str) -> Any:
+        if evaluation and getattr(args, f"eval_{name}", None) is not None:
+            return getattr(args, f"eval_{name}")
+        return getattr(args, f"rollout_{name}", None)
+
+    params: dict[str, Any] = {
+        "temperature": pick("temperature") if pick("temperature") is not None else 1.0,
+        "top_p": pick("top_p") if pick("top_p") is not None else 1.0,
+        "top_k": pick("top_k") if pick("top_k") is not None else -1,
+        "max_new_tokens": pick("max_response_len"),
+        "stop": getattr(args, "rollout_stop", None),
+        "stop_token_ids": getattr(args, "rollout_stop_token_ids", None),
+        "skip_special_tokens": bool(getattr(args, "rollout_skip_special_tokens", False)),
+        # keep the stop token in output_ids: the trainer must see the exact tokens the policy sampled
+        "no_stop_trim": True,
+        "spaces_between_special_tokens": False,
+    }
+    if evaluation and getattr(args, "eval_min_new_tokens", None) is not None:
+        params["min_new_tokens"] = args.eval_min_new_tokens
+    return params
+
+
+class GenerateState:
+    """Per-process generation state bound to one `args` and one event loop (a semaphore cannot cross loops)."""
+
+    _current: GenerateState | None = None
+
+    def __init__(self, args: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.args = args
+        self.loop = loop
+        num_gpus = getattr(args, "rollout_num_gpus", None) or 1
+        per_engine = getattr(args, "rollout_num_gpus_per_engine", None) or 1
+        concurrency = int(getattr(args, "sglang_server_concurrency", None) or 512)
+        self.semaphore = asyncio.Semaphore(max(1, concurrency * max(1, num_gpus // per_engine)))
+        self.sampling_params = base_sampling_params(args)
+        self.aborted = False
+
+    @classmethod
+    def get(cls, args: Any) -> GenerateState:
+        loop = asyncio.get_running_loop()
+        cur = cls._current
+        if cur is None or cur.args is not args or cur.loop is not loop:
+            cur = cls._current = cls(args, loop)
+        return cur
+
+    @property
+    def tokenizer(self) -> Any:
+        return load_tokenizer(self.args.hf_checkpoint)
+
+    def reset(self) -> None:
+        self.aborted = False
+
+
+def _prompt_ids(state: GenerateState, sample: Sample) -> list[int]:
+    tok = state.tokenizer
+    prompt = sample.prompt
+    if not isinstance(prompt, str):
+        prompt = tok.apply_chat_template(
+            prompt, tools=sample.metadata.get("tools"), tokenize=False, add_generation_prompt=True
+        )
+    return list(tok.encode(prompt, add_special_tokens=False))
+
+
+async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+    """One `/generate` call that continues `sample` (a fresh prompt, or a partial rollout from the buffer)."""
+    if sample.status not in (Status.PENDING, Status.ABORTED):
+        raise ValueError(f"generate: sample {sample.index} has status {sample.status.value}; nothing to continue")
+    state = GenerateState.get(args)
+    # `tokens` already holds prompt + earlier response for a partial sample; only fresh prompts are tokenised.
+    input_ids = list(sample.tokens) if sample.tokens else _prompt_ids(state, sample)
+    if not sample.tokens:
+        sample.tokens = list(input_ids)
+
+    params = dict(sampling_params)
+    budget = params.get("max_new_tokens")
+    if budget is not None:
+        # A continuation only gets what is left of the response budget (slime #2261).
+        budget -= sample.response_length
+    if (ctx := getattr(args, "rollout_max_context_len", None)) is not None:
+        budget = ctx - len(input_ids) if budget is None else min(budget, ctx - len(input_ids))
+    if budget is not None and budget <= 0:
+        sample.status = Status.TRUNCATED
+        return sample
+    params["max_new_tokens"] = budget
+    if "sampling_seed" not in params and (seed := sample.metadata.get("sampling_seed")) is not None:
+        params["sampling_seed"] = seed
+
+    payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
+    key = sample.session_id if sample.session_id is not None else sample.group_index
+    headers = {ROUTING_KEY_HEADER: str(key)} if key is not None else None
+    out = await post_json(get_model_url(args), payload, headers=headers)
+
+    meta = out.get("meta_info") or {}
+    logprob_items = meta.get("output_token_logprobs") or []
+    new_ids = out.get("output_ids")
+    if new_ids is None:
+        new_ids = [int(item[1]) for item in logprob_items]
+    if logprob_items and len(logprob_items) != len(new_ids):
+        raise RuntimeError(
+            f"/generate answered {len(new_ids)} output_ids but {len(logprob_items)} output_token_logprobs"
+        )
+    sample.tokens = sample.tokens + list(new_ids)
+    sample.response += out.get("text") or ""
+    sample.response_length += len(new_ids)
+    if logprob_items:
+        sample.rollout_log_probs = (sample.rollout_log_probs or []) + [float(item[0]) for item in logprob_items]
+    if sample.loss_mask is not None:
+        sample.loss_mask = sample.loss_mask + [1] * len(new_ids)
+    sample.update_from_meta_info(args, meta)
+    return sample
+
+
+async def _call_generate_fn(
+    args: Any, sample: Sample, params: dict[str, Any], evaluation: bool
+) -> Sample | list[Sample]:
+    path = sample.generate_function_path or getattr(args, "custom_generate_function_path", None)
+    if not path:
+        return await generate(args, sample, params)
+    fn = load_function(path)
+    if "evaluation" in inspect.signature(fn).parameters:
+        return await fn(args, sample, params, evaluation=evaluation)
+    return await fn(args, sample, params)
+
+
+async def generate_and_rm(
+    args: Any, sample: Sample, sampling_params: dict[str, Any], evaluation: bool = False
+) -> Sample | list[Sample]:
+    """Generate one trajectory (maybe several samples: fan-out) and score it unless `--group-rm` scores later."""
+    if getattr(args, "partial_rollout", False) and getattr(args, "mask_offpolicy_in_partial_rollout", False):
+        if sample.response_length > 0:
+            # tokens from an older policy stay in the context but are not trained on
+            sample.loss_mask = [0] * sample.response_length
+
+    state = GenerateState.get(args)
+    result: Sample | list[Sample] = sample
+    if sample.status not in (Status.COMPLETED, Status.TRUNCATED):  # finished ones come back from the buffer
+        async with state.semaphore:
+            if state.aborted:
+                sample.status = Status.ABORTED
+                return sample
+            params = dict(sampling_params)
+            if (seed := sample.metadata.get("sampling_seed")) is not None:
+                params["sampling_seed"] = seed
+            result = await _call_generate_fn(args, sample, params, evaluation)
+
+    if getattr(args, "group_rm", False) and not evaluation:
+        return result
+    samples = result if isinstance(result, list) else [result]
+    if any(s.status == Status.ABORTED for s in samples):
+        return result
+    need = [s for s in samples if s.reward is None]
+    if len(need) == 1 and not isinstance(result, list):
+        need[0].reward = await async_rm(args, need[0])
+    elif need:
+        for s, r in zip(need, await batched_async_rm(args, need), strict=True):
+            s.reward = r
+    return result
+
+
+async def generate_and_rm_group(
+    args: Any, group: list[Sample], sampling_params: dict[str, Any], evaluation: bool = False
+) -> list[Sample | list[Sample]]:
+    """All trajectories of one prompt concurrently; with `--group-rm` the group is scored as a whole."""
+    state = GenerateState.get(args)
+    if state.aborted:
+        return group
+    results = list(await asyncio.gather(*(generate_and_rm(args, s, dict(sampling_params), evaluation) for s in group)))
+    if getattr(args, "group_rm", False) and not state.aborted:
+        flat = flatten_group(results)
+        if not any(s.status == Status.ABORTED for s in flat):
+            for s, r in zip(flat, await batched_async_rm(args, flat), strict=True):
+                s.reward = r
+    return results

@@ -1,0 +1,124 @@
+"""Small HTTP helpers shared by the rollout side: ports, readiness waits and a pooled async JSON client.
+
+One aiohttp session per event loop: a session is bound to the loop that created it, and thousands of
+concurrent rollout requests must share one connection pool (the rollout semaphore bounds concurrency,
+so the pool itself is unlimited).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import subprocess
+import time
+import weakref
+from typing import Any
+
+import aiohttp
+import httpx
+
+logger = logging.getLogger(__name__)
+
+_sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = weakref.WeakKeyDictionary()
+
+
+def find_free_port(start: int | None = None, host: str = "127.0.0.1") -> int:
+    """A port free on `host` now: the OS's pick, or the first free one at or above `start`."""
+    if start is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+    for port in range(start, 65536):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port on {host} at or above {start}")
+
+
+def wait_for_http(url: str, timeout: float, proc: subprocess.Popen | None = None, interval: float = 0.2) -> None:
+    """Poll `url` until it answers 200. If `proc` (the server we started) dies first, say so at once instead
+    of waiting out the timeout, with its exit code and whatever it left on a captured stdout/stderr."""
+    deadline = time.monotonic() + timeout
+    last_error: str = "no answer yet"
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process {proc.args!r} exited with code {proc.returncode} before {url} was up")
+        try:
+            r = httpx.get(url, timeout=min(5.0, max(interval, 1.0)))
+            if r.status_code == 200:
+                return
+            last_error = f"HTTP {r.status_code}: {r.text[:200]}"
+        except httpx.HTTPError as e:
+            last_error = f"{type(e).__name__}: {e}"
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{url} not ready after {timeout:.0f}s (last: {last_error})")
+        time.sleep(interval)
+
+
+def get_session() -> aiohttp.ClientSession:
+    """The shared session of the running loop (created on first use)."""
+    loop = asyncio.get_running_loop()
+    session = _sessions.get(loop)
+    if session is None or session.closed:
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
+        )
+        _sessions[loop] = session
+    return session
+
+
+async def close_session() -> None:
+    """Close the running loop's shared session (tests, shutdown)."""
+    session = _sessions.pop(asyncio.get_running_loop(), None)
+    if session is not None and not session.closed:
+        await session.close()
+
+
+async def _request_json(
+    method: str,
+    url: str,
+    payload: Any | None,
+    headers: dict[str, str] | None,
+    timeout: float | None,
+    max_retries: int,
+) -> Any:
+    # Only connection failures are retried: a 4xx/5xx answer is the server's verdict, and re-sending a
+    # /generate that reached the engine would duplicate work.
+    delay = 0.2
+    for attempt in range(max_retries + 1):
+        try:
+            async with get_session().request(
+                method, url, json=payload, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as resp:
+                if resp.status >= 400:
+                    body = await resp.text()
+                    raise RuntimeError(f"{method} {url} -> HTTP {resp.status}: {body[:500]}")
+                return await resp.json(content_type=None)
+        except (TimeoutError, aiohttp.ClientConnectionError) as e:
+            if attempt == max_retries:
+                raise RuntimeError(f"{method} {url} failed after {max_retries + 1} attempt(s): {e!r}") from e
+            logger.warning("%s %s failed (%r); retry %d/%d", method, url, e, attempt + 1, max_retries)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+    raise AssertionError("unreachable")
+
+
+async def post_json(
+    url: str,
+    payload: Any,
+    *,
+    headers: dict[str, str] | None = None,
+    timeout: float | None = None,
+    max_retries: int = 3,
+) -> Any:
+    """POST `payload` as JSON and return the decoded JSON answer; raise on HTTP errors."""
+    return await _request_json("POST", url, payload, headers, timeout, max_retries)
+
+
+async def get_json(url: str, *, timeout: float | None = 30.0, max_retries: int = 3) -> Any:
+    """GET `url` and return the decoded JSON answer; raise on HTTP errors."""
+    return await _request_json("GET", url, None, None, timeout, max_retries)

@@ -1,0 +1,115 @@
+"""End to end on real processes: the default rollout through the real sglang-router 0.3.2 in front of
+`python -m sim.fake_sglang --engine scripted`. Checks the wire shapes both ways and that `abort()` reaches
+the engine through the router's worker listing (the aborted group comes back with partial tokens)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import signal
+import subprocess
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from slime.rollout.data_source import RolloutDataSourceWithBuffer
+from slime.rollout.sglang_rollout import generate_rollout
+from slime.utils.http_utils import find_free_port, wait_for_http
+from slime.utils.types import Sample, Status
+
+pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("cluster")]
+
+SLOW_LEN = 400
+
+
+def yes_rm(args, sample: Sample) -> float:
+    return float("yes" in sample.response)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[tuple[str, int, Path, Path]]:
+    from sim.tiny_checkpoint import build_tiny_checkpoint
+
+    ckpt = build_tiny_checkpoint(tmp_path / "tiny")
+    script = tmp_path / "script.json"
+    script.write_text(
+        json.dumps(
+            {
+                "rules": [
+                    {"match": "SLOW", "completion": "a" * SLOW_LEN, "finish_reason": "length"},
+                    {"match": "q", "completions": ["yes", "no"]},
+                ],
+                "token_latency_s": 0.02,
+            }
+        )
+    )
+    log = tmp_path / "requests.jsonl"
+    procs: list[subprocess.Popen] = []
+    try:
+        eport, rport = find_free_port(), find_free_port()
+        engine_cmd = [sys.executable, "-m", "sim.fake_sglang", "--host", "127.0.0.1", "--port", str(eport)]
+        engine_cmd += ["--engine", "scripted", "--script", str(script), "--model-path", str(ckpt)]
+        procs.append(subprocess.Popen(engine_cmd + ["--request-log", str(log)], start_new_session=True))
+        wait_for_http(f"http://127.0.0.1:{eport}/health", timeout=120, proc=procs[-1])
+        router_cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1"]
+        router_cmd += ["--port", str(rport), "--worker-urls", f"http://127.0.0.1:{eport}"]
+        procs.append(subprocess.Popen(router_cmd, start_new_session=True, stdout=subprocess.DEVNULL))
+        wait_for_http(f"http://127.0.0.1:{rport}/health", timeout=120, proc=procs[-1])
+        yield "127.0.0.1", rport, ckpt, log
+    finally:
+        for p in reversed(procs):
+            _stop(p)
+
+
+def test_rollout_through_real_router_and_fake_engine(tmp_path: Path, stack) -> None:
+    ip, port, ckpt, log = stack
+    # a real component checks its identity (design.md §6)
+    assert importlib.metadata.version("sglang-router") == "0.3.2"
+    workers = httpx.get(f"http://{ip}:{port}/workers", timeout=10).json()["workers"]
+    assert len(workers) == 1
+
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"input": p}) + "\n" for p in ["q0", "q1 SLOW", "q2", "q3"]))
+    args = types.SimpleNamespace(
+        prompt_data=str(data),
+        hf_checkpoint=str(ckpt),
+        n_samples_per_prompt=2,
+        rollout_batch_size=2,
+        over_sampling_batch_size=4,
+        rollout_seed=1,
+        sglang_router_ip=ip,
+        sglang_router_port=port,
+        rollout_max_response_len=SLOW_LEN + 10,
+        custom_rm_path=f"{__name__}.yes_rm",
+        partial_rollout=True,
+    )
+    ds = RolloutDataSourceWithBuffer(args)
+    out = generate_rollout(args, 0, ds)
+
+    assert len(out.samples) == 2 and all(len(g) == 2 for g in out.samples)
+    for s in (s for g in out.samples for s in g):
+        assert s.status == Status.COMPLETED and s.response.removesuffix("<|im_end|>") in ("yes", "no")
+        assert s.response_length == len(s.rollout_log_probs) > 0 and all(lp < 0 for lp in s.rollout_log_probs)
+        assert s.reward == float("yes" in s.response)
+    # the slow group was aborted in the engine (reached through the router's /workers) and came back partial
+    aborted = [s for g in ds.buffer for s in g]
+    assert [s.prompt for s in aborted] == ["q1 SLOW"] * 2 or len(ds.buffer) >= 1
+    slow = [s for s in aborted if "SLOW" in s.prompt]
+    assert slow and all(s.status == Status.ABORTED and 0 <= s.response_length < SLOW_LEN for s in slow)
+    paths = [json.loads(line).get("path") for line in log.read_text().splitlines()]
+    assert "/abort_request" in paths
