@@ -25,7 +25,7 @@ DEPS=(
 )
 
 stamp_of() {
-  { cat "$0"; find ci/triton_stub -type f \( -name '*.py' -o -name '*.toml' \) | LC_ALL=C sort | xargs cat; } \
+  { cat "$0"; cat ci/triton_stub/pyproject.toml ci/triton_stub/triton/__init__.py; } \
     | sha256sum | cut -d' ' -f1
 }
 STAMP="$VENV/.slime-sglang-venv.stamp"
@@ -59,7 +59,11 @@ say "pip ready"
 say "torch + import deps installed"
 "${PIP[@]}" --no-deps "$SGLANG_PIN"
 say "sglang installed (--no-deps)"
-"${PIP[@]}" --no-deps --force-reinstall ./ci/triton_stub
+# Build from a copy: setuptools leaves build/ and *.egg-info next to the sources otherwise.
+stub_src=$(mktemp -d)
+trap 'rm -rf "$stub_src"' EXIT
+cp ci/triton_stub/pyproject.toml "$stub_src/" && cp -r ci/triton_stub/triton "$stub_src/"
+"${PIP[@]}" --no-deps --force-reinstall "$stub_src"
 say "triton stub installed"
 check_import
 echo "$want" > "$STAMP"

@@ -63,6 +63,9 @@ def train(args: Namespace) -> dict:
         placement = create_placement_group(args)
         manager = ray.remote(RolloutManager).options(num_cpus=0.1, num_gpus=0).remote(args, placement)
         summary["server_info"] = ray.get(manager.server_info.remote())
+        os.makedirs(args.metrics_dir, exist_ok=True)
+        with open(os.path.join(args.metrics_dir, "servers.json"), "w") as f:
+            json.dump(summary["server_info"], f)  # lets operators (and tests) find the processes while running
         actors = RayTrainGroup(args, placement)
         start = actors.init()
         ray.get(manager.set_train_parallel_config.remote(actors.parallel_config()))

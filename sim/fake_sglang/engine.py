@@ -201,9 +201,11 @@ class Engine(ABC):
     # ---- weights (engines that have weights override) -------------------------------------------------
     async def load_named_tensors(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Default: accept and discard (scripted / synthetic engines have no weights)."""
+        logger.info("%s engine: ignoring %d tensors (no weights)", self.name, len(named))
 
     async def load_from_disk(self, model_path: str) -> None:
         """Default: nothing to load."""
+        logger.info("%s engine: nothing to load from %s", self.name, model_path)
 
     # ---- scheduler loop -----------------------------------------------------------------------------
     def _check_finished(self, req: GenRequest) -> None:

@@ -146,13 +146,9 @@ def normalize_generate_body(body: dict[str, Any]) -> tuple[bool, list[dict[str, 
 
     def per_item(key: str, default: Any) -> list[Any]:
         v = body.get(key, default)
-        if is_batch and isinstance(v, list) and (key != "sampling_params"):
+        if is_batch and isinstance(v, list):
             if len(v) != n:
                 raise BadRequest(f"{key} has {len(v)} entries for {n} prompts")
-            return v
-        if is_batch and key == "sampling_params" and isinstance(v, list):
-            if len(v) != n:
-                raise BadRequest(f"sampling_params has {len(v)} entries for {n} prompts")
             return v
         return [v] * n
 

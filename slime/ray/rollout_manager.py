@@ -24,6 +24,7 @@ from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
+logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the run log
 
 ENGINE_GPU = 0.2
 

@@ -11,7 +11,7 @@ import logging
 from argparse import Namespace
 from typing import Any
 
-from slime.algorithms.advantages import normalize_rewards_by_prompt
+from slime.algorithms.advantages import normalize_rewards_from_args
 from slime.algorithms.fan_out import validate_fan_out
 from slime.scheduling.carry import CarryBuffer, TrainBatch
 from slime.scheduling.denominators import group_mask_sums, sample_loss_mask
@@ -20,8 +20,6 @@ from slime.utils.misc import load_function
 from slime.utils.types import Sample, Status
 
 logger = logging.getLogger(__name__)
-
-_NORMALISED_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline")
 
 
 def flatten_samples(output: list[Any]) -> list[Sample]:
@@ -48,13 +46,7 @@ def post_process_rewards(args: Namespace, samples: list[Sample]) -> tuple[list[f
     if args.custom_reward_post_process_path:
         return load_function(args.custom_reward_post_process_path)(args, samples)
     raw = [s.get_reward_value(args) for s in samples]
-    if args.advantage_estimator in _NORMALISED_ESTIMATORS and not args.disable_rewards_normalization:
-        std = args.advantage_estimator != "reinforce_plus_plus_baseline" and not args.disable_grpo_std_normalization
-        rewards = normalize_rewards_by_prompt(
-            raw, [s.group_index for s in samples], [sample_group_id(s) for s in samples], std_normalization=std
-        )
-        return raw, [float(r) for r in rewards]
-    return raw, list(raw)
+    return raw, [float(r) for r in normalize_rewards_from_args(args, samples)]
 
 
 def sample_values(args: Namespace, samples: list[Sample]) -> dict[str, list[Any]]:

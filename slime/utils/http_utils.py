@@ -8,6 +8,7 @@ so the pool itself is unlimited).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import socket
 import subprocess
@@ -69,6 +70,18 @@ def get_session() -> aiohttp.ClientSession:
         )
         _sessions[loop] = session
     return session
+
+
+@atexit.register
+def _close_sessions_at_exit() -> None:
+    # Sessions living on a still-running background loop (slime.utils.async_utils) are closed there, so the
+    # interpreter does not warn about unclosed connectors on exit.
+    for loop, session in list(_sessions.items()):
+        if loop.is_running() and not loop.is_closed() and not session.closed:
+            try:
+                asyncio.run_coroutine_threadsafe(session.close(), loop).result(timeout=5)
+            except Exception:  # exiting anyway
+                pass
 
 
 async def close_session() -> None:

@@ -22,9 +22,7 @@ pytestmark = pytest.mark.cpu
 def rollout_sequence(draw):
     n_rollouts = draw(st.integers(1, 6))
     # groups per rollout vary (dynamic filtering, aborted groups); fan-out per group is uneven
-    rollouts = [
-        [draw(st.integers(1, 4)) for _ in range(draw(st.integers(0, 12)))] for _ in range(n_rollouts)
-    ]
+    rollouts = [[draw(st.integers(1, 4)) for _ in range(draw(st.integers(0, 12)))] for _ in range(n_rollouts)]
     dp = draw(st.integers(1, 3))
     args = types.SimpleNamespace(
         global_batch_size=draw(st.integers(1, 6)),

@@ -7,6 +7,8 @@ gradient exactly, for every K and every way of scattering the segments over micr
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -63,11 +65,12 @@ def test_split_equals_unsplit_for_every_k(case):
             kk = min(k, n)
             cuts = sorted(rnd.sample(range(1, n), kk - 1)) if kk > 1 else []
             bounds = [0, *cuts, n]
-            pieces += [(m, g, offsets[g] + a, offsets[g] + b) for a, b in zip(bounds, bounds[1:])]
+            pieces += [(m, g, offsets[g] + a, offsets[g] + b) for a, b in itertools.pairwise(bounds)]
         n_mb = rnd.randint(1, len(pieces))
         assign = [rnd.randrange(n_mb) for _ in pieces]
         loss, grad = _loss_and_grad(x, pieces, per_token, n_mb, assign)
-        torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=0)
+        # summation order differs, so allow rounding on a loss near zero; the gradient needs no slack
+        torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=1e-13)
         torch.testing.assert_close(grad, ref_grad, rtol=RTOL, atol=0)
 
 

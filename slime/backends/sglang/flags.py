@@ -18,7 +18,7 @@ import logging
 import re
 from collections.abc import Iterable
 from decimal import Decimal
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 from typing import Any
 
@@ -95,7 +95,7 @@ ROUTER_POLICY_ALIASES = {"consistent_hashing": "manual"}
 _POLICY_DESTS = ("policy", "prefill_policy", "decode_policy")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _load(name: str) -> dict[str, Any]:
     return json.loads(resources.files(__package__).joinpath(name).read_text())
 
@@ -110,12 +110,12 @@ def load_router_snapshot() -> dict[str, Any]:
     return _load(ROUTER_SNAPSHOT)
 
 
-@lru_cache(maxsize=None)
+@cache
 def sglang_options_by_dest() -> dict[str, dict[str, Any]]:
     return {o["dest"]: o for o in load_sglang_snapshot()["options"]}
 
 
-@lru_cache(maxsize=None)
+@cache
 def router_options_by_dest() -> dict[str, dict[str, Any]]:
     return {o["dest"]: o for o in load_router_snapshot()["options"]}
 
@@ -234,6 +234,43 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
             _register(group, opt, "router", help_extra=extra)
             continue
         _register(group, opt, "router")
+
+
+# ---------------------------------------------------------------- rendering values back to argv
+
+
+def _token(value: Any) -> str:
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def render_option(opt: dict[str, Any], value: Any) -> list[str]:
+    """argv tokens setting one snapshot option to `value`, in the form the real parser expects."""
+    names = opt["option_strings"]
+    positive = next(s for s in names if not s.startswith("--no-"))
+    kind, nargs = opt["action"], opt["nargs"]
+    if kind == "boolean_optional":
+        negative = next((s for s in names if s.startswith("--no-")), None)
+        return [positive] if value else ([negative] if negative else [])
+    if kind in ("store_true", "flag", "store_const"):
+        return [positive] if value else []
+    if kind == "store_false":
+        return [] if value else [positive]
+    if kind == "count":
+        return [positive] * int(value)
+    if kind in ("append", "extend"):
+        out: list[str] = []
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            many = nargs not in (None, "?") and isinstance(item, (list, tuple))
+            out += [positive, *(map(_token, item) if many else [_token(item)])]
+        return out
+    if nargs in (None, "?") or (opt["type"] == "json" and not isinstance(value, (list, tuple))):
+        return [positive, _token(value)]
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return [positive, *map(_token, items)]
 
 
 # ---------------------------------------------------------------- unknown flags, overrides

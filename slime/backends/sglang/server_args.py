@@ -10,52 +10,17 @@ action kind says how: bare flag, `--x/--no-x`, one value, or nargs values).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 from typing import Any, Literal
 
-from slime.backends.sglang.flags import sglang_options_by_dest, sglang_overrides_from_args
+from slime.backends.sglang.flags import render_option, sglang_options_by_dest, sglang_overrides_from_args
 from slime.utils.errors import SlimeArgError
 
 logger = logging.getLogger(__name__)
 
 WORKER_TYPES = ("regular", "prefill", "decode", "encoder")
-
-
-def _token(value: Any) -> str:
-    if isinstance(value, (dict, list, tuple)):
-        return json.dumps(value)
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
-
-
-def _render(opt: dict[str, Any], value: Any) -> list[str]:
-    """Tokens for one ServerArgs dest, driven by the snapshot's action kind."""
-    names = opt["option_strings"]
-    positive = next(s for s in names if not s.startswith("--no-"))
-    kind, nargs = opt["action"], opt["nargs"]
-    if kind == "boolean_optional":
-        negative = next((s for s in names if s.startswith("--no-")), None)
-        return [positive] if value else ([negative] if negative else [])
-    if kind in ("store_true", "flag", "store_const"):
-        return [positive] if value else []
-    if kind == "store_false":
-        return [] if value else [positive]
-    if kind == "count":
-        return [positive] * int(value)
-    if kind in ("append", "extend"):
-        out: list[str] = []
-        for item in value if isinstance(value, (list, tuple)) else [value]:
-            many = nargs not in (None, "?") and isinstance(item, (list, tuple))
-            out += [positive, *(map(_token, item) if many else [_token(item)])]
-        return out
-    if nargs in (None, "?") or (opt["type"] == "json" and not isinstance(value, (list, tuple))):
-        return [positive, _token(value)]
-    items = value if isinstance(value, (list, tuple)) else [value]
-    return [positive, *map(_token, items)]
 
 
 def _slime_settings(
@@ -175,5 +140,5 @@ def build_server_argv(
     argv = [sys.executable, "-m", "sglang.launch_server"]
     for dest, value in merged.items():
         if value is not None:
-            argv += _render(opts[dest], value)
+            argv += render_option(opts[dest], value)
     return argv
