@@ -27,6 +27,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     try:
+        if command == "train" and "--help-sglang" in rest:
+            from slime.backends.sglang.flags import sglang_flags_help
+
+            print(sglang_flags_help())
+            return 0
         if command == "train":
             from slime.utils.arguments import parse_args
 

@@ -145,7 +145,9 @@ def test_toy_train_replay_and_rollout_only(assets, tmp_path):
     assert sorted(int(k) for k in live["hashes"]) == list(range(NUM_ROLLOUT))
     assert all(json.loads((tmp_path / "run" / "servers.json").read_text())["engine_pids"])
     engine_cmds = [c for c in live_tree.cmdlines.values() if "sim.fake_sglang" in c]
-    assert len(engine_cmds) == 2 and any("sglang_router" in c or "sglang::router" in c for c in live_tree.cmdlines.values())
+    assert len(engine_cmds) == 2 and any(
+        "sglang_router" in c or "sglang::router" in c for c in live_tree.cmdlines.values()
+    )
     rollout_lines = [
         json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()
     ]

@@ -47,7 +47,9 @@ def test_num_steps_per_rollout_derives_global_batch_size(hf_dir):
 
 
 def test_load_debug_rollout_data_implies_train_only(hf_dir):
-    args = parse_args(["--load-debug-rollout-data", "x_{rollout_id}.pt", "--rollout-batch-size", "2", "--num-rollout", "1"])
+    args = parse_args(
+        ["--load-debug-rollout-data", "x_{rollout_id}.pt", "--rollout-batch-size", "2", "--num-rollout", "1"]
+    )
     assert args.debug_train_only and args.hf_checkpoint is None
 
 
