@@ -1,4 +1,4 @@
-"""`slime` command line: `slime train ...` (more subcommands arrive with their issues).
+"""`slime` command line: `slime train | plan | gateway`.
 
 User mistakes print one line (`slime: error: ...`) and exit 2, with no traceback; `SLIME_DEBUG=1` shows it.
 """
@@ -11,7 +11,7 @@ import sys
 
 from slime.utils.errors import SlimeArgError
 
-USAGE = "usage: slime {train} [flags]   (slime train --help lists the flags)"
+USAGE = "usage: slime {train,plan,gateway} [flags]   (slime train --help lists the flags)"
 
 
 def _configure_logging() -> None:
@@ -41,6 +41,14 @@ def main(argv: list[str] | None = None) -> int:
 
             train(args)
             return 0
+        if command == "plan":
+            from slime.plan_cli import main as plan_main
+
+            return plan_main(rest)
+        if command == "gateway":
+            from slime.agent.gateway_cli import main as gateway_main
+
+            return gateway_main(rest)
         raise SlimeArgError(f"unknown command {command!r}; {USAGE}")
     except SlimeArgError as e:
         if os.environ.get("SLIME_DEBUG"):

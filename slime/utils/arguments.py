@@ -252,6 +252,7 @@ def _add_megatron_style(p: argparse.ArgumentParser) -> None:
 
 def build_parser(add_custom_arguments: Callable[[argparse.ArgumentParser], None] | None = None) -> _Parser:
     """The full parser; `add_custom_arguments` runs first so user flags may pre-empt slime names (as in slime)."""
+    from slime.agent.arguments import add_agent_arguments
     from slime.backends.sglang.flags import add_router_arguments, add_sglang_arguments
 
     p = _Parser(prog="slime train", allow_abbrev=False, description="RL post-training with Megatron-core + SGLang")
@@ -260,6 +261,7 @@ def build_parser(add_custom_arguments: Callable[[argparse.ArgumentParser], None]
     for add in (_add_cluster, _add_rollout, _add_data, _add_algorithm, _add_reward_and_eval, _add_debug):
         add(p)
     _add_megatron_style(p)
+    add_agent_arguments(p)
     add_sglang_arguments(p)
     add_router_arguments(p)
     return p
