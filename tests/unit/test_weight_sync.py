@@ -1,0 +1,76 @@
+"""Colocated weight sync through `/update_weights_from_tensor` into a real `hf` fake engine.
+
+After the push, the engine's returned log-probs must equal an independent HF forward of the *pushed* weights
+(not the checkpoint's), the weight version must change, and the request log must show pause → flush → load
+→ continue in that order.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from sim.fake_sglang.testing import launch_fake_sglang
+from sim.tiny_checkpoint import build_tiny_checkpoint
+from slime.backends.megatron.weight_sync import TensorWeightSync, flattened_buckets
+
+pytestmark = pytest.mark.cpu
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("ws") / "model")
+
+
+def test_flattened_buckets_split_by_dtype_and_size():
+    tensors = [("a", torch.ones(10)), ("b", torch.ones(10, dtype=torch.float64)), ("c", torch.ones(30))]
+    buckets = list(flattened_buckets(tensors, bucket_bytes=100))
+    names = [[m.name for m in b["metadata"]] for b in buckets]
+    assert sorted(names) == [["a"], ["b"], ["c"]]  # a (40 B) + c (120 B) exceed 100 B: separate buckets
+    for b in buckets:
+        for m in b["metadata"]:
+            t = b["flattened_tensor"][m.start_idx : m.end_idx].reshape(m.shape)
+            assert torch.equal(t, dict(tensors)[m.name].to(m.dtype))
+
+
+def test_sync_changes_engine_weights_exactly(ckpt, tmp_path):
+    log = tmp_path / "requests.jsonl"
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    named = [(n, p.detach().clone()) for n, p in model.state_dict().items()]
+    prompt = [5, 17, 42, 99, 7]
+    with launch_fake_sglang(["--engine", "hf", "--model-path", str(ckpt), "--request-log", str(log)]) as srv:
+        before = httpx.get(f"{srv.url}/get_weight_version").json()
+        stats = TensorWeightSync(bucket_bytes=64 * 1024).sync([srv.url], named, weight_version=7)
+        assert stats["weight_sync/buckets"] > 1
+        after = httpx.get(f"{srv.url}/get_weight_version").json()
+        assert after != before and "7" in json.dumps(after)
+        body = {
+            "input_ids": prompt,
+            "sampling_params": {"temperature": 0.7, "max_new_tokens": 6, "sampling_seed": 3, "ignore_eos": True},
+            "return_logprob": True,
+        }
+        out = httpx.post(f"{srv.url}/generate", json=body, timeout=60).json()
+    assert out["meta_info"]["weight_version"] == "7"
+    ids = out["output_ids"]
+    engine_lp = torch.tensor([x[0] for x in out["meta_info"]["output_token_logprobs"]], dtype=torch.float64)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0].double()
+    ref = torch.log_softmax(logits / 0.7, dim=-1)[len(prompt) - 1 : -1].gather(1, torch.tensor(ids)[:, None])[:, 0]
+    assert torch.allclose(engine_lp, ref, atol=1e-5)
+    endpoints = [json.loads(line).get("endpoint") for line in log.read_text().splitlines()]
+    seq = [e for e in endpoints if e in ("/pause_generation", "/flush_cache", "/update_weights_from_tensor",
+                                         "/continue_generation")]  # fmt: skip
+    first_load, last_load = (
+        seq.index("/update_weights_from_tensor"),
+        len(seq) - 1 - seq[::-1].index("/update_weights_from_tensor"),
+    )
+    assert seq[:2] == ["/pause_generation", "/flush_cache"] and first_load == 2
+    assert seq[last_load + 1 :] == ["/flush_cache", "/continue_generation"]
