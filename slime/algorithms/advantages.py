@@ -5,6 +5,14 @@ length, silently treats the whole batch as one group (spec §5.4). Here statisti
 prompt index `group_index`, and each trajectory (`group_id`) counts once however many segments it fanned
 out into: a trajectory split in K segments must not weigh K times in its prompt's mean and std. Every
 segment then inherits its trajectory's normalised reward, which is its advantage for GRPO/GSPO.
+
+Trainer side, `compute_advantages_and_returns(args, batch, ps)` turns those per-sample rewards into per-token
+advantages (spec §10.3). Its `batch` holds per-sample lists: `rewards` (the post-processed rewards above),
+`loss_masks` (the *full* response masks, as on the rollout side), `total_lengths`, `response_lengths`, and
+CP-local `log_probs` / `rollout_log_probs` / `ref_log_probs` (each rank's `slice_response_for_cp` part). It
+writes `kl`, `advantages`, `returns` back (CP-local lists). REINFORCE++ needs whole responses for its
+discounted returns, so KL parts are combined over "cp" first; whitening (`--normalize-advantages`) uses
+statistics over all response tokens of the dp×cp group.
 """
 
 from __future__ import annotations
@@ -14,6 +22,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from slime.algorithms.cp_slicing import response_ranges_for_cp, slice_response_for_cp
+from slime.algorithms.kl import compute_approx_kl
+from slime.parallel_state import ParallelState
+from slime.utils.misc import load_function
 
 logger = logging.getLogger(__name__)
 
@@ -113,3 +126,158 @@ def expand_to_tokens(
 ) -> list[torch.Tensor]:
     """GRPO/GSPO advantages: each sample's normalised reward on every one of its response tokens."""
     return [torch.full((n,), float(v), dtype=dtype) for v, n in zip(values, response_lengths, strict=True)]
+
+
+def _cp(ps: ParallelState | None) -> tuple[int, int]:
+    return (1, 0) if ps is None else (ps.size("cp"), ps.rank("cp"))
+
+
+def gather_response_over_cp(
+    parts: Sequence[torch.Tensor],
+    total_lengths: Sequence[int],
+    response_lengths: Sequence[int],
+    ps: ParallelState | None,
+) -> list[torch.Tensor]:
+    """Whole responses from each rank's CP-local parts: scatter into zeros, one sum all-reduce over "cp".
+
+    A sum (not an all-gather) because CP ranks hold parts of different lengths; the parts partition the
+    response, so the sum is exact. No gradient (advantages are constants of the loss).
+    """
+    cp_size, cp_rank = _cp(ps)
+    if cp_size == 1:
+        return [p.detach() for p in parts]
+    full = []
+    for p, total, resp in zip(parts, total_lengths, response_lengths, strict=True):
+        buf = torch.zeros(resp, dtype=torch.float64)
+        off = 0
+        for lo, hi in response_ranges_for_cp(total, resp, cp_size, cp_rank):
+            buf[lo:hi] = p.detach()[off : off + hi - lo].double()
+            off += hi - lo
+        full.append(buf)
+    flat = torch.cat(full) if full else torch.zeros(0, dtype=torch.float64)
+    ps.all_reduce(flat, "sum", "cp")  # type: ignore[union-attr]
+    return list(flat.split(list(response_lengths)))
+
+
+def reinforce_plus_plus_returns(
+    rewards: Sequence[float], kl: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], kl_coef: float, gamma: float
+) -> list[torch.Tensor]:
+    """Discounted returns over whole responses: r_t = −kl_coef·m_t·KL_t, + R at the last unmasked token.
+
+    G_t = r_t + γ·G_{t+1}. A fully masked response gets no reward token (it contributes nothing to the loss).
+    """
+    out = []
+    for r, k, m in zip(rewards, kl, masks, strict=True):
+        m = m.to(torch.float64)
+        token_r = -kl_coef * m * k.to(torch.float64)
+        nz = torch.nonzero(m, as_tuple=True)[0]
+        if nz.numel():
+            token_r[nz[-1]] += float(r)
+        step = token_r.tolist()
+        running = 0.0
+        for t in range(len(step) - 1, -1, -1):  # a reverse scan: γ^-t rescaling would overflow on long responses
+            running = step[t] + gamma * running
+            step[t] = running
+        out.append(torch.tensor(step, dtype=torch.float64))
+    return out
+
+
+def distributed_masked_whiten(
+    values: Sequence[torch.Tensor],
+    masks: Sequence[torch.Tensor],
+    ps: ParallelState | None,
+    *,
+    dim: str = "dp_cp",
+    eps: float = 1e-8,
+) -> list[torch.Tensor]:
+    """(v − mean)/sqrt(var + eps) with mean and unbiased var over masked tokens of every rank of `dim`.
+
+    The group is dp×cp, not dp (slime fixed this at HEAD, #2235): CP ranks hold disjoint token sets, so
+    leaving them out would whiten each CP part with different statistics. Statistics in float64.
+    """
+    if not values:
+        vals, msk = torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64)
+    else:
+        vals = torch.cat([v.detach().double() for v in values])
+        msk = torch.cat([m.double() for m in masks])
+    if vals.shape != msk.shape:
+        raise ValueError(f"advantages cover {vals.shape[0]} tokens but masks {msk.shape[0]}")
+    stats = torch.stack([(vals * msk).sum(), (vals * vals * msk).sum(), msk.sum()])
+    if ps is not None:
+        ps.all_reduce(stats, "sum", dim)  # type: ignore[arg-type]
+    s, ss, n = stats.tolist()
+    if n == 0:
+        logger.warning("normalize-advantages: no unmasked response token on any rank; advantages left as is")
+        return [v.clone() for v in values]
+    mean = s / n
+    var = max(ss / n - mean * mean, 0.0)
+    if n >= 2:
+        var *= n / (n - 1)
+    out = (vals - mean) / (var + eps) ** 0.5
+    return [t.to(v.dtype) for t, v in zip(out.split([v.shape[0] for v in values]), values, strict=True)]
+
+
+def compute_advantages_and_returns(
+    args: Any, batch: dict[str, Any], ps: ParallelState | None = None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-token CP-local advantages and returns for `--advantage-estimator` (spec §10.3), written into `batch`.
+
+    KL for reward shaping uses `--kl-loss-type` between ℓ (rollout log-probs under `--use-rollout-logprobs`)
+    and ℓ_ref, and is zero when `--kl-coef` is 0 (no reference pass then).
+    """
+    cp_size, cp_rank = _cp(ps)
+    totals = list(batch["total_lengths"])
+    resps = list(batch["response_lengths"])
+    full_masks = [torch.as_tensor(m) for m in batch["loss_masks"]]
+    local_len = [
+        sum(hi - lo for lo, hi in response_ranges_for_cp(t, r, cp_size, cp_rank))
+        for t, r in zip(totals, resps, strict=True)
+    ]
+    kl_coef = float(getattr(args, "kl_coef", 0.0) or 0.0)
+    log_probs = (
+        batch.get("rollout_log_probs") if getattr(args, "use_rollout_logprobs", False) else batch.get("log_probs")
+    )
+    if kl_coef and log_probs:
+        ref = batch["ref_log_probs"]
+        kl_type = getattr(args, "kl_loss_type", "k1")
+        kl = [
+            compute_approx_kl(lp.detach(), r.detach(), kl_type).float() for lp, r in zip(log_probs, ref, strict=True)
+        ]
+    else:
+        kl = [torch.zeros(n, dtype=torch.float32) for n in local_len]
+    batch["kl"] = kl
+
+    estimator = getattr(args, "advantage_estimator", "grpo")
+    rewards = [float(r) for r in batch["rewards"]]
+    if getattr(args, "custom_advantage_function_path", None):
+        load_function(args.custom_advantage_function_path)(args, batch)
+        advantages, returns = list(batch["advantages"]), list(batch["returns"])
+    elif estimator in ("grpo", "gspo"):
+        advantages = [torch.full((n,), r, dtype=torch.float32) for r, n in zip(rewards, local_len, strict=True)]
+        returns = advantages
+    elif estimator == "reinforce_plus_plus":
+        full_kl = gather_response_over_cp(kl, totals, resps, ps)
+        full_ret = reinforce_plus_plus_returns(
+            rewards, full_kl, full_masks, kl_coef, float(getattr(args, "gamma", 1.0))
+        )
+        advantages = [
+            slice_response_for_cp(g, t, r, cp_size, cp_rank).float()
+            for g, t, r in zip(full_ret, totals, resps, strict=True)
+        ]
+        returns = advantages
+    elif estimator == "reinforce_plus_plus_baseline":
+        advantages = [r - kl_coef * k for r, k in zip(rewards, kl, strict=True)]
+        returns = advantages
+    elif estimator == "ppo":
+        raise NotImplementedError("advantage estimator 'ppo' (GAE with a critic) is not implemented yet")
+    else:
+        raise ValueError(f"unknown advantage estimator {estimator!r}")
+
+    if getattr(args, "normalize_advantages", False):
+        local_masks = [
+            slice_response_for_cp(m, t, r, cp_size, cp_rank) for m, t, r in zip(full_masks, totals, resps, strict=True)
+        ]
+        advantages = distributed_masked_whiten(advantages, local_masks, ps)
+    batch["advantages"] = advantages
+    batch["returns"] = returns
+    return advantages, returns

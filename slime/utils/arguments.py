@@ -169,6 +169,10 @@ def _add_algorithm(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tis-clip-low", type=float, default=0.0)
     g.add_argument("--custom-tis-function-path", default=None)
     g.add_argument("--custom-pg-loss-reducer-function-path", default=None)
+    g.add_argument("--use-opsm", action="store_true")
+    g.add_argument("--opsm-delta", type=float, default=1e-4)
+    g.add_argument("--get-mismatch-metrics", action="store_true")
+    g.add_argument("--log-probs-chunk-size", type=int, default=-1)
     g.add_argument("--num-critic-only-steps", type=int, default=0)
     g.add_argument("--megatron-config", "--megatron-config-path", dest="megatron_config", default=None)
 

@@ -1,0 +1,229 @@
+"""The assembled per-micro-batch loss (spec §10.2 "Total"): pg loss, entropy bonus, KL loss, TIS, metrics.
+
+Integration contract (what the Megatron train step passes in, for one micro-batch on one rank):
+
+* `log_probs`, `entropy`: per-sample lists of 1-D tensors over the sample's CP-local response tokens, from
+  `logprobs.response_logprobs_and_entropy` (they carry the autograd graph back to the logits). `entropy`
+  may be None when no entropy was computed (then `--entropy-coef` must be 0).
+* `batch`: a mapping with per-sample lists, in the same order —
+  `advantages` (list[Tensor], CP-local), `loss_masks` (list[Tensor], CP-local: `slice_response_for_cp` of
+  the response mask), `group_mask_sums` (list[float], the *global* D_g of each sample's group, from
+  `slime.scheduling.group_mask_sums`), `total_lengths`, `response_lengths` (list[int]); optional
+  `log_probs` (old policy, recomputed; when absent ℓ_old := detached ℓ, the no-recompute shortcut),
+  `rollout_log_probs` (SGLang's, CP-local), `ref_log_probs` (CP-local; needed by `--use-kl-loss`).
+* `ps`: the rank's ParallelState (only "cp" collectives are used here: GSPO / OPSM sequence means).
+
+Returns (loss, metrics): `loss` is R_mb of `reducers.py` (sum over the micro-batch's samples of their token
+sums divided by their group's D_g), *unscaled*: the train step passes it through `scale_for_megatron`.
+`metrics` are detached R_mb-style sums of the same reducer, to be summed over micro-batches and then handed
+to `reduce_train_metrics` (which divides by b): loss, pg_loss, entropy_loss, pg_clipfrac, ppo_kl, and when
+enabled kl_loss, pg_clipfrac_lower (dual clip), train_rollout_logprob_abs_diff, tis/tis_clipfrac/tis_abs/ois,
+opsm_clipfrac.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from slime.algorithms.kl import compute_approx_kl
+from slime.algorithms.policy_loss import (
+    compute_policy_loss,
+    gspo_ppo_kl,
+    opsm_keep_masks,
+    vanilla_tis_function,
+)
+from slime.algorithms.reducers import make_reducer
+from slime.parallel_state import ParallelState
+from slime.utils.misc import load_function
+
+logger = logging.getLogger(__name__)
+
+LossResult = tuple[torch.Tensor, dict[str, torch.Tensor]]
+
+
+def _split(x: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return list(x.split([t.shape[0] for t in like]))
+
+
+def _cat(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(list(xs)) if xs else torch.zeros(0)
+
+
+def _graph_anchor(log_probs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """0·sum(ℓ): keeps the logits in the graph when this rank holds no response token (spec §10.2)."""
+    return sum((lp.sum() * 0 for lp in log_probs), torch.zeros(()))
+
+
+def _old_log_probs(args: Any, batch: Mapping[str, Any], log_probs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    if getattr(args, "use_rollout_logprobs", False):
+        roll = batch.get("rollout_log_probs")
+        if not roll:
+            raise ValueError("--use-rollout-logprobs needs batch['rollout_log_probs']")
+        return list(roll)
+    old = batch.get("log_probs")
+    return list(old) if old else [lp.detach() for lp in log_probs]
+
+
+def _detached(metrics: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in metrics.items()}
+
+
+def policy_loss_function(
+    args: Any,
+    batch: Mapping[str, Any],
+    log_probs: Sequence[torch.Tensor],
+    entropy: Sequence[torch.Tensor] | None,
+    ps: ParallelState | None = None,
+) -> LossResult:
+    """PPO / GSPO surrogate with dual clip, OPSM, TIS, entropy bonus and KL loss, reduced per group."""
+    masks = list(batch["loss_masks"])
+    denoms = list(batch["group_mask_sums"])
+    per_token = bool(getattr(args, "calculate_per_token_loss", False))
+    reduce = make_reducer(masks, denoms, per_token=per_token)
+    log_probs = list(log_probs)
+    advantages = [a.to(lp.dtype) for a, lp in zip(batch["advantages"], log_probs, strict=True)]
+    old = [o.to(lp.dtype) for o, lp in zip(_old_log_probs(args, batch, log_probs), log_probs, strict=True)]
+
+    if getattr(args, "advantage_estimator", "grpo") == "gspo":
+        ppo_kl = gspo_ppo_kl(log_probs, old, masks, ps)
+    else:
+        ppo_kl = [o - lp for lp, o in zip(log_probs, old, strict=True)]
+    eps_high = getattr(args, "eps_clip_high", None)
+    pg, clipfrac, dualfrac = compute_policy_loss(
+        _cat(ppo_kl),
+        _cat(advantages),
+        args.eps_clip,
+        args.eps_clip if eps_high is None else eps_high,
+        getattr(args, "eps_clip_c", None),
+    )
+    metrics: dict[str, torch.Tensor] = {}
+
+    if getattr(args, "use_opsm", False):
+        keep, dropped = opsm_keep_masks(log_probs, old, advantages, masks, getattr(args, "opsm_delta", 1e-4), ps)
+        pg = pg * _cat(keep)
+        metrics["opsm_clipfrac"] = reduce(dropped)
+
+    pg_masks = masks
+    rollout = batch.get("rollout_log_probs")
+    # the trainer's own π_old, even under --use-rollout-logprobs: TIS and the mismatch metric compare it with μ
+    train_lp = list(batch["log_probs"]) if batch.get("log_probs") else [lp.detach() for lp in log_probs]
+    if getattr(args, "use_tis", False) or getattr(args, "get_mismatch_metrics", False):
+        if not rollout:
+            raise ValueError("--use-tis / --get-mismatch-metrics need batch['rollout_log_probs']")
+        path = getattr(args, "custom_tis_function_path", None)
+        tis_fn: Callable[..., Any] = load_function(path) if path else vanilla_tis_function
+        pg, pg_masks, tis_metrics = tis_fn(
+            args=args,
+            pg_loss=pg,
+            train_log_probs=train_lp,
+            rollout_log_probs=list(rollout),
+            loss_masks=masks,
+            total_lengths=batch.get("total_lengths"),
+            response_lengths=batch.get("response_lengths"),
+        )
+        # Mismatch metrics over the original masks; the pg numerator over the (possibly rejection-) modified
+        # masks, with the original group denominators (spec §5.3).
+        metrics["ois"] = reduce([torch.exp(-k.detach()) for k in ppo_kl])
+        for name, value in tis_metrics.items():
+            metrics[name] = reduce(_split(value.detach().to(pg.dtype), log_probs))
+    pg_reduce = make_reducer(pg_masks, denoms, per_token=per_token) if pg_masks is not masks else reduce
+
+    reducer_path = getattr(args, "custom_pg_loss_reducer_function_path", None)
+    if reducer_path:
+        # slime's hook: (total_lengths, response_lengths, loss_masks, per_token) -> fn(concatenated values)
+        custom = load_function(reducer_path)(batch["total_lengths"], batch["response_lengths"], pg_masks, per_token)
+        pg_loss = custom(pg)
+    else:
+        pg_loss = pg_reduce(_split(pg, log_probs))
+
+    metrics["pg_clipfrac"] = reduce(_split(clipfrac, log_probs))
+    metrics["ppo_kl"] = reduce([k.detach() for k in ppo_kl])
+    if getattr(args, "eps_clip_c", None) is not None:
+        metrics["pg_clipfrac_lower"] = reduce(_split(dualfrac, log_probs))
+    metrics["pg_loss"] = pg_loss
+    loss = pg_loss
+
+    entropy_coef = float(getattr(args, "entropy_coef", 0.0) or 0.0)
+    if entropy is not None:
+        entropy_loss = reduce(list(entropy))
+        metrics["entropy_loss"] = entropy_loss
+        loss = loss - entropy_coef * entropy_loss  # kept in the graph even at coef 0, as slime v0.3.0 does
+    elif entropy_coef:
+        raise ValueError("--entropy-coef is set but no entropy was computed")
+
+    if getattr(args, "use_kl_loss", False):
+        ref = batch.get("ref_log_probs")
+        if not ref:
+            raise ValueError("--use-kl-loss needs batch['ref_log_probs'] (from --ref-load or the initial weights)")
+        kl_terms = []
+        for lp, r, o in zip(log_probs, ref, old, strict=True):
+            ratio = torch.exp(lp - o) if getattr(args, "use_unbiased_kl", False) else None
+            kl_terms.append(compute_approx_kl(lp, r, args.kl_loss_type, importance_ratio=ratio))
+        kl_loss = reduce(kl_terms)
+        metrics["kl_loss"] = kl_loss
+        loss = loss + float(args.kl_loss_coef) * kl_loss
+
+    if rollout:
+        metrics["train_rollout_logprob_abs_diff"] = reduce(
+            [
+                (o.detach().to(lp.dtype) - r.to(lp.dtype)).abs()
+                for o, r, lp in zip(train_lp, rollout, log_probs, strict=True)
+            ]
+        )
+
+    loss = loss + _graph_anchor(log_probs)
+    metrics["loss"] = loss
+    return loss, _detached(metrics)
+
+
+def sft_loss_function(
+    args: Any,
+    batch: Mapping[str, Any],
+    log_probs: Sequence[torch.Tensor],
+    entropy: Sequence[torch.Tensor] | None = None,
+    ps: ParallelState | None = None,
+) -> LossResult:
+    """Negative log-likelihood of the response tokens, group token mean like every other loss."""
+    reduce = make_reducer(
+        batch["loss_masks"], batch["group_mask_sums"], per_token=bool(getattr(args, "calculate_per_token_loss", False))
+    )
+    loss = -reduce(list(log_probs)) + _graph_anchor(log_probs)
+    metrics = {"loss": loss}
+    if entropy is not None:
+        metrics["entropy_loss"] = reduce(list(entropy))
+    return loss, _detached(metrics)
+
+
+def loss_function(
+    args: Any,
+    batch: Mapping[str, Any],
+    log_probs: Sequence[torch.Tensor],
+    entropy: Sequence[torch.Tensor] | None,
+    ps: ParallelState | None = None,
+    *,
+    logits: torch.Tensor | None = None,
+) -> LossResult:
+    """Dispatch on `--loss-type`.
+
+    `custom_loss` calls `--custom-loss-function-path` with slime's signature (args, batch, logits, reducer),
+    where the reducer takes a list of per-sample tensors (our reducer) instead of slime's concatenated one.
+    The value loss (critic) belongs to the PPO issue.
+    """
+    loss_type = getattr(args, "loss_type", "policy_loss")
+    if loss_type == "policy_loss":
+        return policy_loss_function(args, batch, log_probs, entropy, ps)
+    if loss_type == "sft_loss":
+        return sft_loss_function(args, batch, log_probs, entropy, ps)
+    if loss_type == "custom_loss":
+        fn = load_function(args.custom_loss_function_path)
+        reduce = make_reducer(
+            batch["loss_masks"],
+            batch["group_mask_sums"],
+            per_token=bool(getattr(args, "calculate_per_token_loss", False)),
+        )
+        return fn(args, batch, logits, reduce)
+    raise ValueError(f"unknown loss type {loss_type!r}")
