@@ -429,6 +429,9 @@ def validate_args(args: argparse.Namespace) -> None:
             raise SlimeArgError(f"--{name.replace('_', '-')}: file not found: {path}")
     if args.rollout_engine == "sim" and args.sim_engine == "scripted":
         _require(args.sim_script is not None, "--sim-engine scripted needs --sim-script FILE (rules)")
+    from slime.agent.arguments import resolve_agent_args
+
+    resolve_agent_args(args)
     args.eval_function_path = args.eval_function_path or args.rollout_function_path
     args.world_size = actor_gpus
     args.sglang_model_routers = {}

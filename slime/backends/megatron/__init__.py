@@ -1,0 +1,14 @@
+"""Training on megatron-core (local layer spec, no TransformerEngine).
+
+Modules (import them directly; this package imports nothing so `import slime` stays cheap — megatron's
+import costs ~7 s):
+
+- `initialize`: `init_distributed(args, rank, world_size, master_addr, master_port)`, then
+  `init_megatron(args) -> MegatronParallelState` (runs `--custom-megatron-init-path`, e.g. the CPU shim).
+- `parallel_state`: `MegatronParallelState`, the `slime.parallel_state.ParallelState` over megatron's groups.
+- `hf_config`: `read_hf_config(hf_checkpoint) -> HFModelSpec`, `transformer_config_kwargs`, `padded_vocab_size`.
+- `model_provider`: `build_gpt_model(args, spec)`, `model_provider(args, spec)`, `gpt_layer_spec(spec)`.
+- `attention`: `SDPACoreAttention`, the core attention for packed (THD) sequences, GQA, CPU and GPU.
+- `hf_weights`: `load_hf_weights(model, hf_dir, spec, ps)`, `export_hf_weights(model, spec, ps, bucket_bytes)`.
+- `packing`: `pack_samples(token_lists, pad_multiple)`, `unpack`, `unpack_logits`.
+"""

@@ -1,0 +1,120 @@
+"""Run real megatron-core 0.16.1 on a CPU-only torch, for tests and the laptop quick start.
+
+Why a shim and not a fork: megatron-core hard-codes `device="cuda"`, `torch.cuda.current_device()` and the
+CUDA RNG tracker in ~40 places (dependency-probes §2.3). Rather than patch those files, this module
+(1) redirects CUDA device literals to the CPU through a process-wide `TorchFunctionMode`, (2) aliases the
+CUDA RNG functions megatron calls to the CPU generator, so its RNG tracker (dropout forks, seeds) works,
+and (3) replaces the gradient clipper, whose fp32 path asserts `torch.cuda.FloatTensor`.
+
+It enters through slime's hook flag, never through an import from `slime/`:
+``--custom-megatron-init-path sim.fake_megatron.cpu_shim.apply``. `apply(args)` is idempotent and a no-op
+when CUDA is available, so the same flag is harmless on a GPU host. fp32 only: bf16 GEMMs fail on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+logger = logging.getLogger(__name__)
+
+_APPLIED = False
+_LOCAL = threading.local()  # torch function modes are thread-local: enter the mode once per thread
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):  # a bare int is a CUDA ordinal in torch's device arguments
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA placements to the CPU on every torch call made while the mode is active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
+            return args[0]
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def _clip_grad_by_total_norm(
+    parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
+) -> None:
+    """CPU stand-in for `megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32`.
+
+    Same contract: scale every grad by max_norm / (total_norm + 1e-6) when that is below 1. The norm itself
+    is still computed (and all-reduced over the model-parallel group) by megatron's `get_grad_norm_fp32`.
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff >= 1.0:
+        return
+    for p in params:
+        grad = getattr(p, "decoupled_grad", None) if use_decoupled_grad else p.grad
+        if grad is not None:
+            grad.detach().mul_(coeff)
+
+
+def _patch_cuda_runtime() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: "cpu"
+    cuda.device_count = lambda: 0
+    cuda.synchronize = lambda *a, **k: None
+    cuda.empty_cache = lambda: None
+    # The "CUDA" generator *is* the CPU generator: the tracker's per-name seeds then produce real,
+    # distinct CPU states, and `model_parallel_cuda_manual_seed(seed)` seeds the CPU generator.
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.manual_seed_all = lambda seed: None  # torch.manual_seed calls it after seeding the CPU generator
+    cuda.get_rng_state = cuda.random.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = cuda.random.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+
+
+def _patch_megatron() -> None:
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mopt
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm
+    mopt.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm  # imported by name there
+    # With the CPU generator standing in for CUDA's, every tracker fork "changes the CPU RNG state".
+    logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
+
+
+def apply(args: Any = None) -> None:
+    """slime's `--custom-megatron-init-path` hook: make megatron-core run on this CPU-only process.
+
+    Call it from every thread that builds or runs the model (the device redirection is thread-local);
+    repeated calls are cheap.
+    """
+    global _APPLIED
+    if torch.cuda.is_available():
+        return
+    if not _APPLIED:
+        _patch_cuda_runtime()
+        _patch_megatron()
+        _APPLIED = True
+        logger.info("megatron-core CPU shim applied (fp32 only)")
+    if getattr(_LOCAL, "mode", None) is None:
+        _LOCAL.mode = _CudaToCpuMode()
+        _LOCAL.mode.__enter__()  # left entered for the life of the thread
+
+
+def is_applied() -> bool:
+    return _APPLIED

@@ -1,0 +1,166 @@
+"""A HF `config.json` (Qwen2 / Qwen3 / Llama / Mistral family) → the shape of a megatron-core GPTModel.
+
+Why: the model's shape comes only from `--hf-checkpoint` (there are no `--num-layers` style flags), so one
+place turns HF's names into megatron's: `num_key_value_heads` → `num_query_groups`, `rms_norm_eps` →
+`layernorm_epsilon`, `rope_theta` → `rotary_base`, `tie_word_embeddings` → `share_embeddings_and_output_weights`.
+Anything this family mapping cannot express exactly (rope scaling, sliding windows, MLP biases, other
+activations) is refused with a one-line error instead of silently giving different numbers.
+
+Vocabulary padding: `VocabParallelEmbedding` needs the vocabulary divisible by TP, so the megatron model's
+vocabulary is `padded_vocab_size(vocab, tp)` (rounded up to a multiple of tp; unchanged when it divides).
+Padded rows are zero; logits beyond `HFModelSpec.vocab_size` are not real tokens and callers must drop or
+mask them (`packing.unpack_logits` crops them).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from slime.utils.errors import SlimeArgError
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+
+
+@dataclass(frozen=True)
+class HFModelSpec:
+    """Everything about the HF architecture that the megatron model and the weight mapping need."""
+
+    model_type: str
+    vocab_size: int
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    qkv_bias: bool
+    qk_layernorm: bool
+    tie_word_embeddings: bool
+
+
+def _load(config: str | os.PathLike | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(config, dict):
+        return config
+    path = os.fspath(config)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise SlimeArgError(f"--hf-checkpoint: no config.json at {path}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    # transformers 5 nests rope settings in `rope_parameters`; 4.x kept `rope_theta` / `rope_scaling` flat.
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise SlimeArgError(f"--hf-checkpoint: rope type {rope_type!r} is not supported (only default RoPE)")
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def read_hf_config(config: str | os.PathLike | dict[str, Any]) -> HFModelSpec:
+    """Parse a checkpoint dir, a config.json path or its dict; raise `SlimeArgError` for what we cannot build."""
+    cfg = _load(config)
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise SlimeArgError(
+            f"--hf-checkpoint: model_type {model_type!r} is not supported by the megatron backend "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise SlimeArgError(f"--hf-checkpoint: hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+    if cfg.get("mlp_bias"):
+        raise SlimeArgError("--hf-checkpoint: mlp_bias=true is not supported")
+    if cfg.get("use_sliding_window") or (model_type == "mistral" and cfg.get("sliding_window")):
+        raise SlimeArgError("--hf-checkpoint: sliding-window attention is not supported")
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    return HFModelSpec(
+        model_type=model_type,
+        vocab_size=int(cfg["vocab_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        hidden_size=hidden,
+        ffn_hidden_size=int(cfg["intermediate_size"]),
+        num_attention_heads=heads,
+        num_query_groups=int(cfg.get("num_key_value_heads") or heads),
+        kv_channels=int(cfg.get("head_dim") or hidden // heads),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(cfg),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        # Qwen2 always has q/k/v biases (its config has no switch); the others follow `attention_bias`.
+        qkv_bias=True if model_type == "qwen2" else bool(cfg.get("attention_bias", False)),
+        qk_layernorm=model_type == "qwen3",
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    """The megatron vocabulary: `vocab_size` rounded up to a multiple of the TP size."""
+    return -(-vocab_size // tp_size) * tp_size
+
+
+def transformer_config_kwargs(spec: HFModelSpec, args: Any) -> dict[str, Any]:
+    """Keyword arguments for `megatron.core.transformer.TransformerConfig` (shape, parallelism, dtype)."""
+    tp = getattr(args, "tensor_model_parallel_size", 1)
+    if spec.num_attention_heads % tp or spec.num_query_groups % tp and tp % spec.num_query_groups:
+        raise SlimeArgError(
+            f"--tensor-model-parallel-size {tp} must divide num_attention_heads ({spec.num_attention_heads}) "
+            f"and divide or be a multiple of num_key_value_heads ({spec.num_query_groups})"
+        )
+    bf16 = bool(getattr(args, "bf16", False))
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    return dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.kv_channels,
+        layernorm_epsilon=spec.norm_eps,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # Fusions need TE/Apex or CUDA kernels; the local spec's unfused paths are exact.
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", 1),
+        virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
+        context_parallel_size=getattr(args, "context_parallel_size", 1),
+        expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
+        expert_tensor_parallel_size=etp,
+        sequence_parallel=bool(getattr(args, "sequence_parallel", False)) and tp > 1,
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # allgather rejects variable_seq_lengths (as slime forces)
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        # CPU init makes the initial weights independent of the TP layout (and needs no CUDA).
+        use_cpu_initialization=not torch.cuda.is_available(),
+        recompute_granularity=getattr(args, "recompute_granularity", None),
+        recompute_method="uniform" if getattr(args, "recompute_granularity", None) == "full" else None,
+        recompute_num_layers=1 if getattr(args, "recompute_granularity", None) == "full" else None,
+    )

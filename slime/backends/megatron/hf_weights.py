@@ -1,0 +1,270 @@
+"""HF checkpoint ↔ megatron-core GPTModel weights, with tensor-parallel sharding (Qwen2/Qwen3/Llama family).
+
+Why by hand (no Megatron-Bridge): the family is small and the layout rules are few, and weight sync must
+produce HF-named full tensors that SGLang's loader accepts. The rules, for megatron-core 0.16.1's local spec:
+
+- `linear_qkv` fuses q/k/v *per query group*: for each of the `ng` KV heads, its np/ng query heads, then its
+  key head, then its value head (`SelfAttention.get_query_key_value_tensors`). The fused tensor is
+  column-parallel: rank r holds row chunk r of the full fused tensor (when ng < tp, megatron all-gathers
+  and re-slices itself, so the plain chunking stays right).
+- `linear_fc1` fuses gate and up; megatron's GLU splits *each rank's* output in halves, so rank r holds
+  `cat(gate.chunk(tp)[r], up.chunk(tp)[r])`.
+- `linear_proj` / `linear_fc2` are row-parallel (split along the input dim); embedding and output layer are
+  vocab-parallel over the vocabulary padded to a multiple of tp (padded rows are zero, and cropped on export).
+- Norms are replicated: `input_layernorm`, `pre_mlp_layernorm` (the local spec's separate norm modules),
+  `q_layernorm` / `k_layernorm` (Qwen3), `decoder.final_layernorm`.
+- Pipeline stages hold local layer indices; HF names use global ones (`get_transformer_layer_offset`).
+
+Use: `load_hf_weights(model, hf_dir, spec, ps)` right after `build_gpt_model` and before the optimizer is
+built (its fp32 copies are taken from the params). For weight sync,
+`for bucket in export_hf_weights(model, spec, ps, bucket_bytes): ...` yields lists of `(hf_name, tensor)`
+with HF shapes; it is a collective over the TP group (every TP rank must iterate it). Each PP stage yields
+only its own layers (embedding on the first stage, final norm and untied `lm_head` on the last).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from slime.backends.megatron.hf_config import HFModelSpec, padded_vocab_size
+from slime.parallel_state import ParallelState
+
+logger = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+# mcore suffix inside a layer -> HF suffix inside `model.layers.{i}.` (one-to-one tensors).
+_LAYER_DIRECT = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+_ROW_PARALLEL = {"self_attention.linear_proj.weight", "mlp.linear_fc2.weight"}
+_GLOBAL_DIRECT = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+_VOCAB_PARALLEL = {"embedding.word_embeddings.weight", "output_layer.weight"}
+
+
+# ---------------------------------------------------------------- pure layout helpers (full tensors)
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups: int) -> torch.Tensor:
+    """HF q/k/v projections (weights [out, h] or biases [out]) → megatron's per-group interleaved `linear_qkv`."""
+    ng = num_query_groups
+    tail = q.shape[1:]
+    q, k, v = (x.reshape(ng, -1, *tail) for x in (q, k, v))
+    return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+
+
+def split_qkv(
+    qkv: torch.Tensor, num_query_groups: int, num_attention_heads: int, kv_channels: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `fuse_qkv`."""
+    ng, hn = num_query_groups, kv_channels
+    q_per_group = num_attention_heads // ng * hn
+    tail = qkv.shape[1:]
+    grouped = qkv.reshape(ng, q_per_group + 2 * hn, *tail)
+    q, k, v = torch.split(grouped, [q_per_group, hn, hn], dim=1)
+    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
+
+
+def shard_fc1(gate: torch.Tensor, up: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
+    """This rank's `linear_fc1` rows: its gate chunk followed by its up chunk."""
+    return torch.cat([gate.chunk(tp_size, dim=0)[tp_rank], up.chunk(tp_size, dim=0)[tp_rank]], dim=0)
+
+
+def unshard_fc1(shards: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-rank `linear_fc1` shards (TP order) → full HF (gate, up)."""
+    halves = [s.chunk(2, dim=0) for s in shards]
+    return torch.cat([g for g, _ in halves], dim=0), torch.cat([u for _, u in halves], dim=0)
+
+
+def pad_vocab(weight: torch.Tensor, padded: int) -> torch.Tensor:
+    if weight.size(0) == padded:
+        return weight
+    return torch.cat([weight, weight.new_zeros(padded - weight.size(0), *weight.shape[1:])], dim=0)
+
+
+# ---------------------------------------------------------------- model helpers
+
+
+def unwrap_model(model: Any) -> Any:
+    """Strip DDP / Float16Module wrappers (`.module` chains) down to the GPTModel."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def layer_offset(model: Any) -> int:
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    model = unwrap_model(model)
+    return int(get_transformer_layer_offset(model.config, vp_stage=getattr(model, "vp_stage", None)))
+
+
+class _HFReader:
+    """Lazy tensor access over `model.safetensors` or a sharded `model.safetensors.index.json` checkpoint."""
+
+    def __init__(self, hf_dir: str | os.PathLike) -> None:
+        hf_dir = os.fspath(hf_dir)
+        index = os.path.join(hf_dir, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            self._file_of = {name: os.path.join(hf_dir, fn) for name, fn in weight_map.items()}
+        else:
+            single = os.path.join(hf_dir, "model.safetensors")
+            if not os.path.isfile(single):
+                raise FileNotFoundError(f"no model.safetensors(.index.json) in {hf_dir}")
+            with safe_open(single, "pt") as f:
+                self._file_of = dict.fromkeys(f.keys(), single)
+        self._handles: dict[str, Any] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._file_of:
+            raise KeyError(f"HF checkpoint has no tensor {name!r}")
+        path = self._file_of[name]
+        if path not in self._handles:
+            self._handles[path] = safe_open(path, "pt")
+        return self._handles[path].get_tensor(name)
+
+
+# ---------------------------------------------------------------- HF -> mcore
+
+
+def _hf_shard_for(
+    name: str, reader: _HFReader, spec: HFModelSpec, tp_size: int, tp_rank: int, offset: int
+) -> torch.Tensor:
+    """The HF-derived tensor for mcore parameter `name` (local layer index), as this TP rank's shard."""
+    m = _LAYER.match(name)
+    if m is None:
+        if name == "output_layer.weight" and spec.tie_word_embeddings:
+            hf = reader.get("model.embed_tokens.weight")  # a tied last PP stage keeps its own copy
+        else:
+            hf = reader.get(_GLOBAL_DIRECT[name])
+        if name in _VOCAB_PARALLEL:
+            hf = pad_vocab(hf, padded_vocab_size(spec.vocab_size, tp_size))
+            return hf.chunk(tp_size, dim=0)[tp_rank]
+        return hf
+    prefix = f"model.layers.{int(m.group(1)) + offset}."
+    suffix = m.group(2)
+    if suffix in _LAYER_DIRECT:
+        hf = reader.get(prefix + _LAYER_DIRECT[suffix])
+        return hf.chunk(tp_size, dim=1)[tp_rank] if suffix in _ROW_PARALLEL else hf
+    if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind = suffix.rsplit(".", 1)[1]
+        q, k, v = (reader.get(f"{prefix}self_attn.{p}_proj.{kind}") for p in "qkv")
+        return fuse_qkv(q, k, v, spec.num_query_groups).chunk(tp_size, dim=0)[tp_rank]
+    if suffix == "mlp.linear_fc1.weight":
+        gate, up = reader.get(prefix + "mlp.gate_proj.weight"), reader.get(prefix + "mlp.up_proj.weight")
+        return shard_fc1(gate, up, tp_size, tp_rank)
+    raise KeyError(f"no HF mapping for megatron parameter {name!r}")
+
+
+@torch.no_grad()
+def load_hf_weights(models: Any | list[Any], hf_dir: str | os.PathLike, spec: HFModelSpec, ps: ParallelState) -> None:
+    """Copy the HF checkpoint into every parameter of this rank's model chunk(s); fail if any is unmatched."""
+    reader = _HFReader(hf_dir)
+    tp_size, tp_rank = ps.size("tp"), ps.rank("tp")
+    for model in models if isinstance(models, list) else [models]:
+        model = unwrap_model(model)
+        offset = layer_offset(model)
+        for name, param in model.named_parameters():
+            shard = _hf_shard_for(name, reader, spec, tp_size, tp_rank, offset)
+            if tuple(shard.shape) != tuple(param.shape):
+                raise ValueError(f"{name}: HF gives shape {tuple(shard.shape)}, model has {tuple(param.shape)}")
+            param.copy_(shard.to(param.dtype))
+    logger.info("loaded HF weights from %s (tp %d/%d)", hf_dir, tp_rank, tp_size)
+
+
+# ---------------------------------------------------------------- mcore -> HF
+
+
+def _gather_tp(t: torch.Tensor, ps: ParallelState) -> list[torch.Tensor]:
+    if ps.size("tp") == 1:
+        return [t]
+    return ps.all_gather(t.contiguous(), "tp")
+
+
+def iter_hf_tensors(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], spec: HFModelSpec, ps: ParallelState, offset: int = 0
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(mcore local name, local shard) → (HF name, full tensor), gathering TP shards. A TP collective.
+
+    `named_tensors` may come from a live model (`model.named_parameters()`) or from a host-side backup
+    with the same names; every TP rank must pass the same names in the same order.
+    """
+    for name, shard in named_tensors:
+        while name.startswith("module."):  # DDP / Float16Module wrappers
+            name = name.removeprefix("module.")
+        shard = shard.detach()
+        m = _LAYER.match(name)
+        if m is None:
+            if name == "output_layer.weight" and spec.tie_word_embeddings:
+                continue  # a tied last stage's copy of the embedding; HF has no separate lm_head
+            full = torch.cat(_gather_tp(shard, ps), dim=0) if name in _VOCAB_PARALLEL else shard
+            yield _GLOBAL_DIRECT[name], full[: spec.vocab_size] if name in _VOCAB_PARALLEL else full
+            continue
+        prefix = f"model.layers.{int(m.group(1)) + offset}."
+        suffix = m.group(2)
+        if suffix in _LAYER_DIRECT:
+            full = torch.cat(_gather_tp(shard, ps), dim=1) if suffix in _ROW_PARALLEL else shard
+            yield prefix + _LAYER_DIRECT[suffix], full
+        elif suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+            kind = suffix.rsplit(".", 1)[1]
+            qkv = torch.cat(_gather_tp(shard, ps), dim=0)
+            parts = split_qkv(qkv, spec.num_query_groups, spec.num_attention_heads, spec.kv_channels)
+            for p, t in zip("qkv", parts, strict=True):
+                yield f"{prefix}self_attn.{p}_proj.{kind}", t
+        elif suffix == "mlp.linear_fc1.weight":
+            gate, up = unshard_fc1(_gather_tp(shard, ps))
+            yield prefix + "mlp.gate_proj.weight", gate
+            yield prefix + "mlp.up_proj.weight", up
+        else:
+            raise KeyError(f"no HF mapping for megatron parameter {name!r}")
+
+
+def export_hf_weights(
+    models: Any | list[Any],
+    spec: HFModelSpec,
+    ps: ParallelState,
+    bucket_bytes: int = 512 * 1024**2,
+    dtype: torch.dtype | None = None,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Buckets of `(hf_name, full tensor)` of at most `bucket_bytes` (one oversized tensor fills a bucket alone).
+
+    `dtype` casts on the way out (e.g. bf16 for the rollout engine). A collective over the TP group.
+    Without TP gathering or a cast, a yielded tensor may be a view of the live parameter: copy it (e.g. into a
+    flattened bucket) before the next optimizer step if it must outlive the call.
+    """
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for model in models if isinstance(models, list) else [models]:
+        model = unwrap_model(model)
+        for hf_name, tensor in iter_hf_tensors(model.named_parameters(), spec, ps, layer_offset(model)):
+            tensor = tensor.to(dtype) if dtype is not None else tensor
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((hf_name, tensor))
+            size += nbytes
+    if bucket:
+        yield bucket

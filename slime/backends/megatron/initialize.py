@@ -1,0 +1,125 @@
+"""Bring up `torch.distributed` and megatron-core's parallel state for one training rank.
+
+The train actor calls, in order:
+
+    init_distributed(args, rank, world_size, master_addr, master_port)   # gloo on CPU, NCCL on GPU
+    ps = init_megatron(args)        # --custom-megatron-init-path hook, model-parallel groups, seeds
+    ... build_gpt_model(args) / load_hf_weights(model, args.hf_checkpoint, spec, ps) ...
+
+Why the hook runs first: megatron-core assumes CUDA. On a CPU-only host the CPU shim must patch it before
+the RNG tracker is seeded or any model is built, and it enters only through slime's hook flag
+(`--custom-megatron-init-path sim.fake_megatron.cpu_shim.apply`) because `slime/` never imports `sim/`.
+Without CUDA and without a hook we stop with a one-line hint instead of megatron's CUDA assertion.
+
+args read: tensor_model_parallel_size, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size,
+context_parallel_size, expert_model_parallel_size, expert_tensor_parallel_size, distributed_backend,
+distributed_timeout_minutes, seed, custom_megatron_init_path.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import random
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slime.backends.megatron.parallel_state import MegatronParallelState
+from slime.utils.errors import SlimeArgError
+from slime.utils.misc import load_function
+
+logger = logging.getLogger(__name__)
+
+CPU_SHIM_HOOK = "sim.fake_megatron.cpu_shim.apply"
+
+
+def _check_device(args: Any) -> None:
+    if not torch.cuda.is_available() and not getattr(args, "custom_megatron_init_path", None):
+        raise SlimeArgError(
+            f"no CUDA device: to run megatron-core on CPU pass --custom-megatron-init-path {CPU_SHIM_HOOK}"
+        )
+
+
+def run_custom_megatron_init(args: Any) -> None:
+    """Call the `--custom-megatron-init-path` hook with `args` (idempotent hooks may be called repeatedly)."""
+    _check_device(args)
+    path = getattr(args, "custom_megatron_init_path", None)
+    if path:
+        load_function(path)(args)
+
+
+def init_distributed(
+    args: Any,
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    local_rank: int | None = None,
+) -> None:
+    """`dist.init_process_group` for this rank (no-op if already initialised)."""
+    _check_device(args)
+    if dist.is_initialized():
+        return
+    backend = getattr(args, "distributed_backend", None) or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank if local_rank is not None else rank % torch.cuda.device_count())
+    os.environ["MASTER_ADDR"] = master_addr
+    os.environ["MASTER_PORT"] = str(master_port)
+    timeout = datetime.timedelta(minutes=getattr(args, "distributed_timeout_minutes", 10) or 10)
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+    )
+    logger.info("torch.distributed up: rank %d/%d, backend %s", rank, world_size, backend)
+
+
+def set_seeds(seed: int) -> None:
+    """Megatron's seeding: Python, NumPy and torch get `seed + 100 * pp_rank`; TP ranks fork a tracked stream."""
+    import numpy as np
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    seed = seed + 100 * mpu.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def init_megatron(args: Any) -> MegatronParallelState:
+    """Run the init hook, create megatron's model-parallel groups, seed, and return the `ParallelState`."""
+    from megatron.core import parallel_state as mpu
+
+    if not dist.is_initialized():
+        raise RuntimeError("init_megatron needs torch.distributed: call init_distributed first")
+    run_custom_megatron_init(args)
+    if not mpu.model_parallel_is_initialized():
+        mpu.initialize_model_parallel(
+            tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", 1),
+            pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", 1),
+            virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
+            context_parallel_size=getattr(args, "context_parallel_size", 1),
+            expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
+            expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
+            distributed_timeout_minutes=getattr(args, "distributed_timeout_minutes", 10) or 10,
+        )
+    set_seeds(getattr(args, "seed", 1234))
+    ps = MegatronParallelState()
+    logger.info("megatron parallel state: %r", ps)
+    return ps
+
+
+def destroy_megatron() -> None:
+    """Tear down megatron's groups and the default process group (tests, actor shutdown)."""
+    from megatron.core import parallel_state as mpu
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,123 @@
+"""Build the megatron-core GPTModel for `--hf-checkpoint` (local spec, slime's SDPA core attention).
+
+Why the local spec: TransformerEngine is unavailable (CPU; a source build on GPU hosts), and the local
+spec works everywhere once its core attention is swapped for `SDPACoreAttention` (packed sequences + speed).
+
+Use (the train actor, after `initialize.init_megatron`):
+
+    spec = read_hf_config(args.hf_checkpoint)
+    model = build_gpt_model(args, spec)                      # this rank's TP shard / PP stage, fp32 on CPU
+    load_hf_weights(model, args.hf_checkpoint, spec, ps)    # hf_weights.py
+    logits = model(tokens, position_ids, None, packed_seq_params=psp)   # [1, t, padded_vocab / tp]
+
+For megatron's `get_model`-style wrappers (DDP, virtual pipeline) use `model_provider(args, spec)`, a
+callable `(pre_process, post_process, vp_stage=None) -> GPTModel`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from megatron.core import parallel_state as mpu
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from slime.backends.megatron.attention import SDPACoreAttention
+from slime.backends.megatron.hf_config import (
+    HFModelSpec,
+    padded_vocab_size,
+    read_hf_config,
+    transformer_config_kwargs,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def gpt_layer_spec(spec: HFModelSpec) -> ModuleSpec:
+    """megatron-core's local GPT layer spec (RMSNorm, SwiGLU MLP) with `SDPACoreAttention` as core attention."""
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_layernorm)
+    layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return layer
+
+
+def build_transformer_config(args: Any, spec: HFModelSpec, **overrides: Any) -> TransformerConfig:
+    kwargs = transformer_config_kwargs(spec, args)
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt_model(
+    args: Any,
+    spec: HFModelSpec | None = None,
+    *,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    vp_stage: int | None = None,
+    config: TransformerConfig | None = None,
+) -> GPTModel:
+    """This rank's part of the model (TP shard, PP stage). Needs megatron's parallel state initialised.
+
+    `parallel_output=True`: logits stay vocab-parallel ([.., padded_vocab / tp]) as megatron's vocab-parallel
+    cross-entropy expects; gather them over the TP group to see the whole vocabulary.
+    """
+    spec = spec or read_hf_config(args.hf_checkpoint)
+    config = config or build_transformer_config(args, spec)
+    if pre_process is None:
+        pre_process = mpu.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = mpu.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=gpt_layer_spec(spec),
+        vocab_size=padded_vocab_size(spec.vocab_size, config.tensor_model_parallel_size),
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=spec.rope_theta,
+        vp_stage=vp_stage,
+    )
+    logger.info(
+        "built GPTModel (%s, %d layers, pre=%s post=%s vp_stage=%s): %d local params",
+        spec.model_type,
+        spec.num_layers,
+        pre_process,
+        post_process,
+        vp_stage,
+        sum(p.numel() for p in model.parameters()),
+    )
+    return model
+
+
+def model_provider(args: Any, spec: HFModelSpec | None = None) -> Callable[..., GPTModel]:
+    """A megatron-style provider `(pre_process, post_process, vp_stage=None) -> GPTModel` (one config shared)."""
+    spec = spec or read_hf_config(args.hf_checkpoint)
+    config = build_transformer_config(args, spec)
+
+    def provide(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None) -> GPTModel:
+        return build_gpt_model(
+            args, spec, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage, config=config
+        )
+
+    return provide
+
+
+def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, tp_rank: int = 0) -> torch.Tensor:
+    """Push the logits of TP vocabulary padding (columns >= `vocab_size`) to -1e4 so they get zero mass.
+
+    `logits` is this rank's vocab-parallel shard [..., V_padded / tp]. A finite value rather than -inf keeps
+    entropy terms (p * log p) free of NaN. Returns `logits` itself when this shard has no padding.
+    """
+    shard = logits.size(-1)
+    start = tp_rank * shard
+    if start + shard <= vocab_size:
+        return logits
+    column = torch.arange(start, start + shard, device=logits.device)
+    return logits.masked_fill(column >= vocab_size, -1.0e4)
