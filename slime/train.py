@@ -9,11 +9,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from argparse import Namespace
 
 from slime.utils.errors import SlimeArgError
 
 logger = logging.getLogger(__name__)
+
+_SHOWN = ("train/loss", "train/grad_norm")  # metrics shown on the progress bar
 
 
 def preflight(args: Namespace) -> int:
@@ -43,6 +46,12 @@ def resolve_num_rollout(args: Namespace, num_prompts: int) -> int:
     return per_epoch * args.num_epoch
 
 
+def _should_save(args: Namespace, rollout_id: int) -> bool:
+    """Every --save-interval rollouts, and always after the last one (as slime does)."""
+    last = rollout_id == args.num_rollout - 1
+    return last or bool(args.save_interval and (rollout_id + 1) % args.save_interval == 0)
+
+
 def train(args: Namespace) -> dict:
     """Run the whole job; returns a summary (per-rollout train hashes, server info) for scripts and tests."""
     num_prompts = preflight(args)
@@ -58,7 +67,7 @@ def train(args: Namespace) -> dict:
     init_ray(args)
     manager = None
     tracker = Tracker(args)
-    summary: dict = {"hashes": {}, "server_info": None, "train_status": None}
+    summary: dict = {"hashes": {}, "metrics": {}, "server_info": None, "train_status": None}
     try:
         placement = create_placement_group(args)
         manager = ray.remote(RolloutManager).options(num_cpus=0.1, num_gpus=0).remote(args, placement)
@@ -70,16 +79,38 @@ def train(args: Namespace) -> dict:
         start = actors.init()
         ray.get(manager.set_train_parallel_config.remote(actors.parallel_config()))
         summary["train_status"] = actors.status()
+        sync_weights = not (args.debug_rollout_only or args.debug_train_only)
+
+        def update_weights(version: int) -> dict[str, float]:
+            t0 = time.perf_counter()
+            urls = ray.get(manager.begin_weight_sync.remote())
+            try:
+                out = actors.update_weights(urls, version)
+            finally:
+                ray.get(manager.end_weight_sync.remote())
+            return {**out, "time/weight_sync": time.perf_counter() - t0}
+
+        if sync_weights:
+            update_weights(start)  # engines serve exactly the trainer's weights from the first rollout on
         with progress(args.num_rollout, "rollouts", start=start) as bar:
             for rollout_id in range(start, args.num_rollout):
-                if args.eval_interval and (rollout_id % args.eval_interval == 0) and not args.skip_eval_before_train:
-                    ray.get(manager.eval.remote(rollout_id))
+                if args.eval_interval and rollout_id % args.eval_interval == 0:
+                    if rollout_id > start or not args.skip_eval_before_train:
+                        ray.get(manager.eval.remote(rollout_id))
+                t0 = time.perf_counter()
                 rank_refs = ray.get(manager.generate.remote(rollout_id))
+                metrics = {"time/rollout": time.perf_counter() - t0}
                 if rank_refs is not None:
-                    hashes = actors.train(rollout_id, rank_refs)
+                    hashes, train_metrics = actors.train(rollout_id, rank_refs)
                     summary["hashes"][rollout_id] = hashes
-                    tracker.log({"train/data_hash_rank0": int(hashes[0][:8], 16)}, step=rollout_id, kind="train")
-                bar.update(1)
+                    metrics.update(train_metrics)
+                    if sync_weights and (rollout_id + 1) % args.update_weights_interval == 0:
+                        metrics.update(update_weights(rollout_id + 1))
+                if args.save_hf and _should_save(args, rollout_id):
+                    actors.save_hf(args.save_hf.format(rollout_id=rollout_id))
+                summary["metrics"][rollout_id] = metrics
+                tracker.log(metrics, step=rollout_id, kind="train")
+                bar.update(1, **{k: v for k, v in metrics.items() if k in _SHOWN})
         summary["train_status"] = actors.status()
         if args.eval_interval:
             ray.get(manager.eval.remote(args.num_rollout))

@@ -17,6 +17,7 @@ exec .venv/bin/slime train \
   --actor-num-nodes 1 --actor-num-gpus-per-node 1 \
   --rollout-num-gpus 2 --rollout-num-gpus-per-engine 1 \
   --rollout-engine sim --sim-engine hf \
+  --custom-megatron-init-path sim.fake_megatron.cpu_shim.apply \
   --global-batch-size 32 \
   --metrics-dir "$OUT" \
   --save-debug-rollout-data "$OUT/dump/rollout_{rollout_id}.pt" \

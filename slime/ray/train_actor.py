@@ -1,9 +1,9 @@
 """Train actors (one Ray actor per training GPU) and the group that drives them.
 
-Until the Megatron trainer lands, a train actor initialises `torch.distributed` (gloo on CPU, NCCL on GPU),
-receives its DP rank's share of each rollout and records a content hash of exactly what it received, so a
-replayed rollout dump can be proven to reach the trainer unchanged. Under `--debug-rollout-only` the actors
-exist (they hold their placement) but return before any process group is created (spec §3).
+Each actor owns one `MegatronTrainer` rank. It also records a content hash of exactly the train data it
+received per rollout, so a replayed rollout dump can be proven to reach the trainer unchanged. Under
+`--debug-rollout-only` the actors exist (they hold their placement) but return before any process group is
+created (spec §3).
 """
 
 from __future__ import annotations
@@ -43,19 +43,17 @@ class TrainRayActor:
         self.master_port = master_port
         self.hashes: dict[int, str] = {}
         self.num_samples: dict[int, int] = {}
+        self.trainer = None
+        self.weight_sync = None
 
     def init(self) -> int:
         """Returns the first rollout id to run (from a checkpoint once checkpointing exists)."""
         start = self.args.start_rollout_id or 0
         if self.args.debug_rollout_only:
             return start  # before any torch.distributed call: inference alone needs no process group
-        import torch
-        import torch.distributed as dist
+        from slime.backends.megatron.trainer import MegatronTrainer
 
-        backend = self.args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        os.environ["MASTER_ADDR"] = self.master_addr
-        os.environ["MASTER_PORT"] = str(self.master_port)
-        dist.init_process_group(backend=backend, rank=self.rank, world_size=self.world_size)
+        self.trainer = MegatronTrainer(self.args, self.rank, self.world_size, self.master_addr, self.master_port)
         return start
 
     def status(self) -> dict[str, Any]:
@@ -68,24 +66,58 @@ class TrainRayActor:
             dist_initialized = dist.is_available() and dist.is_initialized()
         return {"rank": self.rank, "pid": os.getpid(), "dist_initialized": dist_initialized}
 
-    def train(self, rollout_id: int, rank_data_refs: list[Any]) -> str | None:
+    def train(self, rollout_id: int, rank_data_refs: list[Any]) -> tuple[str | None, dict[str, float]]:
         if self.args.debug_rollout_only:
-            return None
-        dp_rank = self.rank  # TP=PP=CP=1 until the Megatron trainer defines the DP rank
-        data = ray.get(rank_data_refs[dp_rank])
+            return None, {}
+        data = ray.get(rank_data_refs[self.trainer.ps.rank("dp")])
         digest = hash_train_data(data)
         self.hashes[rollout_id] = digest
         self.num_samples[rollout_id] = len(data.get("tokens", []))
         logger.info(
             "rank %d rollout %d: %d samples, hash %s", self.rank, rollout_id, self.num_samples[rollout_id], digest[:12]
         )
-        return digest
+        return digest, self.trainer.train(rollout_id, data)
+
+    def update_weights(self, engine_urls: list[str], weight_version: int) -> dict[str, float]:
+        """Every rank exports (a TP collective); the sender rank of each stage pushes to the engines."""
+        if self.args.debug_rollout_only or not engine_urls:
+            return {}
+        from slime.backends.megatron.initialize import run_custom_megatron_init
+        from slime.backends.megatron.weight_sync import TensorWeightSync
+
+        run_custom_megatron_init(self.args)
+        bucket_bytes = self.args.update_weight_buffer_size
+        buckets = self.trainer.export_hf(bucket_bytes)
+        if not self.trainer.is_weight_sender():
+            for _ in buckets:  # take part in the TP gathers only
+                pass
+            return {}
+        if self.weight_sync is None:
+            self.weight_sync = TensorWeightSync(bucket_bytes=bucket_bytes)
+        named = (item for bucket in buckets for item in bucket)
+        return self.weight_sync.sync(engine_urls, named, weight_version)
 
     def get_hashes(self) -> dict[int, str]:
         return dict(self.hashes)
 
+    def save_hf(self, path: str) -> None:
+        if self.trainer is not None:
+            from slime.backends.megatron.initialize import run_custom_megatron_init
+
+            run_custom_megatron_init(self.args)
+            self.trainer.save_hf(path)
+
     def parallel_config(self) -> dict[str, int]:
-        return {"dp_size": self.world_size, "cp_size": 1, "vpp_size": 1, "microbatch_group_size_per_vp_stage": 1}
+        if self.trainer is None:  # --debug-rollout-only: nothing trains, any layout will do
+            return {"dp_size": 1, "cp_size": 1}
+        ps = self.trainer.ps
+        return {
+            "dp_size": ps.size("dp"),
+            "cp_size": ps.size("cp"),
+            "pp_size": ps.size("pp"),
+            "vpp_size": self.args.virtual_pipeline_model_parallel_size or 1,
+            "microbatch_group_size_per_vp_stage": self.args.microbatch_group_size_per_vp_stage,
+        }
 
 
 def _free_port() -> int:
@@ -115,11 +147,23 @@ class RayTrainGroup:
         starts = ray.get([a.init.remote() for a in self.actors])
         return starts[0]
 
-    def train(self, rollout_id: int, rank_data_refs: list[Any]) -> list[str | None]:
-        return ray.get([a.train.remote(rollout_id, rank_data_refs) for a in self.actors])
+    def train(self, rollout_id: int, rank_data_refs: list[Any]) -> tuple[list[str | None], dict[str, float]]:
+        """Returns every rank's data hash and rank 0's step metrics (already reduced over dp×cp)."""
+        out = ray.get([a.train.remote(rollout_id, rank_data_refs) for a in self.actors])
+        return [h for h, _ in out], out[0][1]
+
+    def update_weights(self, engine_urls: list[str], weight_version: int) -> dict[str, float]:
+        out = ray.get([a.update_weights.remote(engine_urls, weight_version) for a in self.actors])
+        merged: dict[str, float] = {}
+        for m in out:
+            merged.update(m)
+        return merged
 
     def status(self) -> list[dict[str, Any]]:
         return ray.get([a.status.remote() for a in self.actors])
+
+    def save_hf(self, path: str) -> None:
+        ray.get([a.save_hf.remote(path) for a in self.actors])
 
     def get_hashes(self) -> list[dict[int, str]]:
         return ray.get([a.get_hashes.remote() for a in self.actors])

@@ -249,6 +249,8 @@ def _add_megatron_style(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None)
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--update-weight-buffer-size", type=int, default=512 * 1024**2, help="bytes per weight bucket")
+    g.add_argument("--update-weights-interval", type=int, default=1)
     g.add_argument("--custom-megatron-init-path", default=None)
     g.add_argument("--custom-megatron-before-log-prob-hook-path", default=None)
     g.add_argument("--custom-megatron-before-train-step-hook-path", default=None)

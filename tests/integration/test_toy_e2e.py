@@ -43,6 +43,7 @@ def toy_flags(assets: Path) -> list[str]:
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--num-rollout", str(NUM_ROLLOUT),
         "--global-batch-size", "16", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1",
         "--rollout-max-response-len", "10", "--rollout-shuffle",
+        "--custom-megatron-init-path", "sim.fake_megatron.cpu_shim.apply", "--lr", "1e-4", "--entropy-coef", "0.001",
     ]  # fmt: skip
 
 
@@ -74,7 +75,9 @@ class TreeWatcher:
                 return
             for p in procs:
                 try:
-                    self.cmdlines[p.pid] = " ".join(p.cmdline())
+                    cmd = " ".join(p.cmdline())
+                    if cmd:  # a zombie's cmdline reads empty: keep what the live process showed
+                        self.cmdlines[p.pid] = cmd
                     ports = {c.laddr.port for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
                     self.listeners.setdefault(p.pid, set()).update(ports)
                 except psutil.Error:
@@ -143,6 +146,11 @@ def test_toy_train_replay_and_rollout_only(assets, tmp_path):
         [*base, *rollout_flags(assets), "--save-debug-rollout-data", str(dump)], tmp_path / "run", check
     )
     assert sorted(int(k) for k in live["hashes"]) == list(range(NUM_ROLLOUT))
+    # real optimizer steps happened and the engines received every update
+    for rid in range(NUM_ROLLOUT):
+        m = live["metrics"][str(rid)]
+        assert m["train/grad_norm"] > 0 and m["train/update_successful"] == 1.0
+        assert m["weight_sync/buckets"] >= 1
     assert all(json.loads((tmp_path / "run" / "servers.json").read_text())["engine_pids"])
     engine_cmds = [c for c in live_tree.cmdlines.values() if "sim.fake_sglang" in c]
     assert len(engine_cmds) == 2 and any(
@@ -161,7 +169,8 @@ def test_toy_train_replay_and_rollout_only(assets, tmp_path):
             assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
     # 2. replay: same hashes, no engine or router process, no listener outside Ray's own
-    replay, tree = run_slime([*base, "--load-debug-rollout-data", str(dump)], tmp_path / "replay")
+    replay_flags = ["--load-debug-rollout-data", str(dump), "--hf-checkpoint", str(assets / "model")]
+    replay, tree = run_slime([*base, *replay_flags], tmp_path / "replay")
     assert replay["hashes"] == live["hashes"]
     assert replay["server_info"]["router_pid"] is None and replay["server_info"]["engine_pids"] == []
     cmds = list(tree.cmdlines.values())

@@ -1,0 +1,343 @@
+"""`MegatronTrainer`: one training rank — megatron-core model, DDP, optimizer, LR schedule, the RL train step.
+
+One `train(rollout_id, data)` call consumes this rank's share of a rollout (built on the rollout side by
+`slime/scheduling`): π_old (and π_ref) log-probs are recomputed with the same micro-batches, advantages are
+computed, then every optimizer step runs megatron's forward-backward schedule over its micro-batches with the
+group normaliser of `slime/algorithms/reducers.py`. A partial last step of b < B groups divides its loss by b
+and advances the LR schedule by b.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from argparse import Namespace
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import torch
+
+from slime.algorithms.advantages import compute_advantages_and_returns
+from slime.algorithms.logprobs import response_logprobs_and_entropy
+from slime.algorithms.loss import loss_function
+from slime.algorithms.reducers import reduce_train_metrics, scale_for_megatron
+from slime.backends.megatron.hf_config import read_hf_config
+from slime.backends.megatron.hf_weights import export_hf_weights, load_hf_weights, unwrap_model
+from slime.backends.megatron.initialize import init_distributed, init_megatron, run_custom_megatron_init
+from slime.backends.megatron.model_provider import build_gpt_model, mask_padded_vocab
+from slime.backends.megatron.packing import pack_samples
+
+logger = logging.getLogger(__name__)
+
+_EMPTY = object()  # marks a padding micro-batch (a rank with nothing to do in a step still joins the schedule)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class MegatronTrainer:
+    def __init__(self, args: Namespace, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        self.args = args
+        if args.context_parallel_size > 1:
+            raise NotImplementedError("context parallelism needs ring attention, not available in slime yet")
+        init_distributed(args, rank, world_size, master_addr, master_port)
+        self.ps = init_megatron(args)
+        self.spec = read_hf_config(args.hf_checkpoint)
+        model = build_gpt_model(args, self.spec)
+        if torch.cuda.is_available():
+            model = model.cuda()
+        load_hf_weights(model, args.hf_checkpoint, self.spec, self.ps)
+        config = model.config
+        distributed_optimizer = torch.cuda.is_available()  # the CPU path needs a global hack (design.md §4)
+        self.model = DistributedDataParallel(
+            config=config,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
+            ),
+            module=model,
+        )
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=args.lr,
+                min_lr=args.min_lr,
+                weight_decay=args.weight_decay,
+                adam_beta1=args.adam_beta1,
+                adam_beta2=args.adam_beta2,
+                adam_eps=args.adam_eps,
+                clip_grad=args.clip_grad,
+                bf16=args.bf16,
+                params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+                use_distributed_optimizer=distributed_optimizer,
+            ),
+            [self.model],
+        )
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = self.optimizer.scale_loss
+        config.variable_seq_lengths = True
+        # Megatron's scheduler counts samples; slime's "sample" is a group, so steps are multiplied by B.
+        gbs = args.global_batch_size
+        train_iters = max(1, args.num_rollout * args.rollout_batch_size * args.n_samples_per_prompt // gbs)
+        decay_iters = args.lr_decay_iters or train_iters
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if args.lr_warmup_iters else args.lr,
+            max_lr=args.lr,
+            min_lr=args.min_lr,
+            lr_warmup_steps=args.lr_warmup_iters * gbs,
+            lr_decay_steps=max(decay_iters * gbs, args.lr_warmup_iters * gbs + 1),
+            lr_decay_style=args.lr_decay_style,
+            start_wd=args.weight_decay,
+            end_wd=args.weight_decay,
+            wd_incr_steps=decay_iters * gbs,
+            wd_incr_style="constant",
+        )
+        self.ref_params: dict[str, torch.Tensor] | None = None
+        if args.use_kl_loss or args.kl_coef:
+            # The reference policy: the initial weights (or --ref-load, an HF dir), kept on the host.
+            if args.ref_load:
+                load_hf_weights(model, args.ref_load, self.spec, self.ps)
+            self.ref_params = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
+            if args.ref_load:
+                load_hf_weights(model, args.hf_checkpoint, self.spec, self.ps)
+        self.weight_version = 0
+        self.train_step_id = 0
+
+    # ---- forward helpers ------------------------------------------------------------------------------------
+    def _forward_logits(self, mb: dict[str, Any]) -> tuple[torch.Tensor, Any]:
+        tokens = mb["tokens"] if mb["tokens"] else [[0]]
+        packed = pack_samples(tokens, device=_device())
+        logits = self.model(packed.tokens, packed.position_ids, None, packed_seq_params=packed.packed_seq_params)
+        return mask_padded_vocab(logits[0], self.spec.vocab_size, self.ps.rank("tp")), packed
+
+    def _logprobs(self, logits: torch.Tensor, mb: dict[str, Any], with_entropy: bool):
+        v_local = logits.size(-1)
+        return response_logprobs_and_entropy(
+            logits,
+            [torch.as_tensor(t, device=logits.device) for t in mb["tokens"]],
+            mb["total_lengths"],
+            mb["response_lengths"],
+            self.ps,
+            temperature=self.args.rollout_temperature,
+            vocab_start=self.ps.rank("tp") * v_local,
+            with_entropy=with_entropy,
+            chunk_size=self.args.log_probs_chunk_size,
+        )
+
+    def _microbatches(self, data: dict[str, Any]) -> list[dict[str, Any]]:
+        """Per-sample fields of each micro-batch, in schedule order (steps concatenated)."""
+        per_sample = ("tokens", "total_lengths", "response_lengths", "loss_masks", "group_mask_sums", "rewards")
+        optional = [k for k in ("rollout_log_probs",) if k in data]
+        out = []
+        for idx in data["micro_batch_indices"]:
+            mb = {k: [data[k][i] for i in idx] for k in (*per_sample, *optional)}
+            mb["indices"] = list(idx)
+            out.append(mb)
+        return out
+
+    @torch.no_grad()
+    def _compute_logprobs(self, mbs: list[dict[str, Any]], key: str) -> None:
+        """Fill `mb[key]` with per-sample response log-probs of the current weights (no grad, same packing)."""
+        self.model.eval()
+        for mb in mbs:
+            if not mb["tokens"]:
+                mb[key] = []
+                continue
+            logits, _ = self._forward_logits(mb)
+            lp, _ = self._logprobs(logits.float(), mb, with_entropy=False)
+            mb[key] = [x.detach() for x in lp]
+        self.model.train()
+
+    @torch.no_grad()
+    def _swap_params(self, source: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        module = unwrap_model(self.model)
+        saved = {}
+        for n, p in module.named_parameters():
+            saved[n] = p.detach().to("cpu", copy=True)
+            p.copy_(source[n].to(p.device))
+        return saved
+
+    # ---- the RL step ----------------------------------------------------------------------------------------
+    def train(self, rollout_id: int, data: dict[str, Any]) -> dict[str, float]:
+        run_custom_megatron_init(self.args)  # the CPU shim's torch mode is per thread; cheap when repeated
+        args = self.args
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        mbs = self._microbatches(data)
+        if not args.use_rollout_logprobs or args.get_mismatch_metrics:
+            self._compute_logprobs(mbs, "log_probs")
+        elif "rollout_log_probs" in data:
+            for mb in mbs:
+                mb["log_probs"] = [
+                    torch.tensor(x, dtype=torch.float32, device=_device()) for x in mb["rollout_log_probs"]
+                ]
+        if self.ref_params is not None:
+            actor = self._swap_params(self.ref_params)
+            self._compute_logprobs(mbs, "ref_log_probs")
+            self._swap_params(actor)
+        timings["time/log_probs"] = time.perf_counter() - t0
+        for mb in mbs:
+            self._prepare_batch(mb)
+        metrics: dict[str, float] = {}
+        step_start = 0
+        t1 = time.perf_counter()
+        num_tokens = 0
+        for step, n_mb in enumerate(data["num_microbatches"]):
+            step_mbs = mbs[step_start : step_start + n_mb]
+            step_start += n_mb
+            b = data["global_batch_sizes"][step]
+            step_metrics = self._optimizer_step(step_mbs, b)
+            num_tokens += sum(sum(mb["total_lengths"]) for mb in step_mbs)
+            for k, v in step_metrics.items():
+                metrics[k] = metrics.get(k, 0.0) + v / len(data["num_microbatches"])
+        timings["time/train"] = time.perf_counter() - t1
+        metrics.update(timings)
+        metrics["train/tokens_per_s"] = num_tokens / max(timings["time/train"], 1e-9)
+        metrics["train/samples"] = float(sum(len(mb["tokens"]) for mb in mbs))
+        metrics["train/steps"] = float(len(data["num_microbatches"]))
+        metrics["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        return metrics
+
+    def _prepare_batch(self, mb: dict[str, Any]) -> None:
+        """Turn one micro-batch's lists into the tensors `loss_function` expects (CP=1: responses whole)."""
+        dev = _device()
+        mb["loss_masks"] = [torch.tensor(m, dtype=torch.float32, device=dev) for m in mb["loss_masks"]]
+        if "rollout_log_probs" in mb:
+            mb["rollout_log_probs"] = [
+                torch.tensor(x, dtype=torch.float32, device=dev) for x in mb["rollout_log_probs"]
+            ]
+        batch = {
+            "rewards": mb["rewards"],
+            "loss_masks": mb["loss_masks"],
+            "response_lengths": mb["response_lengths"],
+            "total_lengths": mb["total_lengths"],
+        }
+        for k in ("log_probs", "ref_log_probs"):
+            if k in mb:
+                batch[k] = mb[k]
+        if mb["tokens"]:
+            compute_advantages_and_returns(self.args, batch, self.ps)
+            mb["advantages"] = batch["advantages"]
+        else:
+            mb["advantages"] = []
+
+    def _optimizer_step(self, step_mbs: list[dict[str, Any]], global_batch_size: int) -> dict[str, float]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        args = self.args
+        per_token = args.calculate_per_token_loss
+        sums: dict[str, float] = {}
+        local_tokens = 0.0
+        n_mb = len(step_mbs)
+
+        def loss_func(mb: dict[str, Any], logits: torch.Tensor):
+            nonlocal local_tokens
+            if not mb["tokens"]:
+                zero = logits.sum() * 0.0  # keeps every parameter in the graph; contributes nothing
+                return zero, torch.tensor(1, dtype=torch.int), {}
+            lp, ent = self._logprobs(logits.float(), mb, with_entropy=True)
+            loss, m = loss_function(args, mb, lp, ent, self.ps)
+            scaled, num_tokens = scale_for_megatron(
+                loss,
+                num_microbatches=n_mb,
+                global_batch_size=global_batch_size,
+                dp_cp_size=self.ps.size("dp_cp"),
+                cp_size=self.ps.size("cp"),
+                per_token=per_token,
+                sample_token_counts=[int(sum(x.tolist())) for x in mb["loss_masks"]] if per_token else None,
+            )
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+            local_tokens += float(num_tokens)
+            return scaled, num_tokens, {}
+
+        def forward_step(it: Iterator[dict[str, Any]], model: Any):
+            mb = next(it)
+            logits, _ = self._forward_logits(mb)
+            return logits, partial(loss_func, mb)
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(step_mbs),
+            model=[self.model],
+            num_microbatches=n_mb,
+            seq_length=max((max(mb["total_lengths"], default=1) for mb in step_mbs), default=1),
+            micro_batch_size=1,
+            forward_only=False,
+        )
+        ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=global_batch_size)
+        self.train_step_id += 1
+        metrics = reduce_train_metrics(
+            sums, self.ps, global_batch_size=global_batch_size, per_token=per_token, local_num_tokens=local_tokens
+        )
+        out = {f"train/{k}": v for k, v in metrics.items()}
+        out["train/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        out["train/update_successful"] = float(bool(ok))
+        out["train/global_batch_size"] = float(global_batch_size)
+        return out
+
+    # ---- weights --------------------------------------------------------------------------------------------
+    def is_weight_sender(self) -> bool:
+        """One rank per pipeline stage holds full (TP-gathered) weights: DP rank 0, TP rank 0."""
+        return self.ps.rank("dp") == 0 and self.ps.rank("tp") == 0 and self.ps.rank("cp") == 0
+
+    def export_hf(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """HF-named full tensors of this stage, in buckets (a TP collective: every TP rank must iterate)."""
+        dtype = torch.bfloat16 if self.args.bf16 else None
+        yield from export_hf_weights([self.model], self.spec, self.ps, bucket_bytes=bucket_bytes, dtype=dtype)
+
+    def save_hf(self, path: str) -> None:
+        """`--save-hf`: an HF checkpoint `transformers` loads (config + tokenizer copied from --hf-checkpoint).
+
+        Each pipeline stage's sender writes its own safetensors shard; rank 0 writes the index. The directory
+        is written under a temporary name and renamed, so a crash never leaves a half checkpoint behind.
+        """
+        import json
+        import os
+        import shutil
+
+        import torch.distributed as dist
+        from safetensors.torch import save_file
+
+        ps = self.ps
+        tmp = f"{path}.tmp"
+        if ps.global_rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+            for name in os.listdir(self.args.hf_checkpoint):
+                if name.endswith((".json", ".txt", ".model", ".jinja")) and "safetensors.index" not in name:
+                    shutil.copy(os.path.join(self.args.hf_checkpoint, name), tmp)
+        dist.barrier()
+        pp, pp_size = ps.rank("pp"), ps.size("pp")
+        shard = f"model-{pp + 1:05d}-of-{pp_size:05d}.safetensors"
+        tensors = {n: t.detach().to("cpu").contiguous().clone() for b in self.export_hf(1 << 62) for n, t in b}
+        if self.is_weight_sender():
+            save_file(tensors, os.path.join(tmp, shard), metadata={"format": "pt"})
+        dist.barrier()
+        if ps.global_rank == 0:
+            from safetensors import safe_open
+
+            weight_map = {}
+            for k in range(pp_size):
+                name = f"model-{k + 1:05d}-of-{pp_size:05d}.safetensors"
+                with safe_open(os.path.join(tmp, name), "pt") as f:
+                    weight_map.update(dict.fromkeys(f.keys(), name))
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)
+            logger.info("saved HF checkpoint to %s", path)
+        dist.barrier()
