@@ -31,11 +31,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--served-model-name", default=None)
+    # SGLang's names (server_args.py): PD role and the prefill's bootstrap server port.
+    p.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default="null")
+    p.add_argument("--disaggregation-bootstrap-port", type=int, default=None)
+    p.add_argument("--disaggregation-timeout-s", type=float, default=30.0, help="decode: wait this long for prefill")
+    p.add_argument("--fault", choices=["none", "hang", "slow", "error"], default="none", help="inject a fault")
+    p.add_argument("--fault-delay-s", type=float, default=1.0, help="per-request delay of --fault slow")
     a = p.parse_args(argv)
     if a.engine in ("hf", "scripted") and not a.model_path:
         p.error(f"--engine {a.engine} needs --model-path")
     if a.engine == "scripted" and not a.script:
         p.error("--engine scripted needs --script")
+    if a.disaggregation_mode == "prefill" and a.disaggregation_bootstrap_port is None:
+        p.error("--disaggregation-mode prefill needs --disaggregation-bootstrap-port")
     return a
 
 
@@ -70,13 +78,34 @@ async def serve(a: argparse.Namespace) -> None:
         "tp_size": 1,
         "dp_size": 1,
         "fake_engine": a.engine,
+        "disaggregation_mode": a.disaggregation_mode,
+        "disaggregation_bootstrap_port": a.disaggregation_bootstrap_port,
     }
-    app = build_app(engine, server_args=server_args, request_log=a.request_log)
+    rooms = None
+    if a.disaggregation_mode == "prefill":
+        from sim.fake_sglang.disagg import PrefillRooms
+
+        rooms = PrefillRooms(f"http://{a.host}:{a.port}")
+    app = build_app(
+        engine,
+        server_args=server_args,
+        request_log=a.request_log,
+        prefill_rooms=rooms,
+        pd_timeout_s=a.disaggregation_timeout_s,
+    )
+    from sim.fake_sglang.server import STATE_KEY
+
+    app[STATE_KEY]["fault"] = {"mode": a.fault, "delay_s": a.fault_delay_s}
     loop_task = asyncio.create_task(engine.run())
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, a.host, a.port)
     await site.start()
+    boot_runner = None
+    if rooms is not None:
+        boot_runner = web.AppRunner(rooms.app(), access_log=None)
+        await boot_runner.setup()
+        await web.TCPSite(boot_runner, a.host, a.disaggregation_bootstrap_port).start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -87,6 +116,8 @@ async def serve(a: argparse.Namespace) -> None:
     await engine.stop()
     await asyncio.sleep(0.2)  # let handlers send their abort answers
     await runner.cleanup()
+    if boot_runner is not None:
+        await boot_runner.cleanup()
     loop_task.cancel()
     try:
         await loop_task

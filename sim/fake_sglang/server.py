@@ -14,6 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
+from sim.fake_sglang.disagg import PDError, PrefillRooms, await_prefill
 from sim.fake_sglang.engine import Engine
 from sim.fake_sglang.protocol import BadRequest, GenRequest, build_response, normalize_generate_body
 from sim.fake_sglang.weights import decode_payload
@@ -58,9 +59,21 @@ def _summary(resp: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def build_app(engine: Engine, *, server_args: dict[str, Any], request_log: str | None = None) -> web.Application:
+FAULT_MODES = ("none", "hang", "slow", "error")
+
+
+def build_app(
+    engine: Engine,
+    *,
+    server_args: dict[str, Any],
+    request_log: str | None = None,
+    prefill_rooms: PrefillRooms | None = None,
+    pd_timeout_s: float = 30.0,
+) -> web.Application:
+    """`prefill_rooms` set: this is a prefill engine; server_args["disaggregation_mode"] == "decode": a decode one."""
     log = RequestLog(request_log)
-    state: dict[str, Any] = {"server_args": server_args}
+    state: dict[str, Any] = {"server_args": server_args, "fault": {"mode": "none", "delay_s": 0.0}}
+    mode = server_args.get("disaggregation_mode") or "null"
 
     def respond(req: GenRequest) -> dict[str, Any]:
         return build_response(
@@ -69,6 +82,19 @@ def build_app(engine: Engine, *, server_args: dict[str, Any], request_log: str |
             engine.weight_version,
             engine.token_texts(req) if req.return_text_in_logprobs else None,
         )
+
+    @web.middleware
+    async def fault_mw(request: web.Request, handler: Any) -> web.StreamResponse:
+        # Fault injection for fault-tolerance tests (POST /_fault): `hang` = process alive, nothing answers
+        # (health checks time out); `slow` = every /generate waits delay_s first; `error` = HTTP 503.
+        fault = state["fault"]
+        if request.path != "/_fault" and fault["mode"] == "hang":
+            await asyncio.Event().wait()
+        if request.path in ("/generate", "/health_generate") and fault["mode"] == "error":
+            return _error("injected fault: engine error", status=503)
+        if request.path == "/generate" and fault["mode"] == "slow":
+            await asyncio.sleep(float(fault["delay_s"]))
+        return await handler(request)
 
     @web.middleware
     async def logging_mw(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -96,9 +122,15 @@ def build_app(engine: Engine, *, server_args: dict[str, Any], request_log: str |
             body = await body_of(request)
             request["log"]["body"] = body
             is_batch, items = normalize_generate_body(body)
+            if mode != "null":
+                items = await _disaggregate(request, body, is_batch, items)
             reqs = [engine.submit(it) for it in items]
         except BadRequest as e:
             return _error(str(e))
+        except PDError as e:
+            logger.error("PD handshake failed: %s", e)
+            request["log"]["pd_error"] = str(e)
+            return _error(f"disaggregation: {e}", status=500)
         try:
             if body.get("stream"):
                 return await _stream(request, reqs, is_batch)
@@ -119,6 +151,33 @@ def build_app(engine: Engine, *, server_args: dict[str, Any], request_log: str |
             for r in reqs:
                 if r.finished:
                     engine.forget(r)
+
+    async def _disaggregate(
+        request: web.Request, body: dict[str, Any], is_batch: bool, items: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        if is_batch:
+            raise BadRequest("batched /generate is not supported by a disaggregated fake engine")
+        request["log"]["disaggregation_mode"] = mode
+        request["log"]["bootstrap_room"] = body.get("bootstrap_room")
+        if mode == "prefill":
+            if body.get("bootstrap_room") is None:
+                raise PDError("prefill engine got a request without bootstrap_room (not dispatched by a PD router)")
+            assert prefill_rooms is not None
+            prefill_rooms.publish(body["bootstrap_room"], body)
+            # the prefill computes the prompt and the first token; decode produces the answer the client sees
+            items[0]["sampling_params"] = dict(items[0].get("sampling_params") or {}, max_new_tokens=1)
+            return items
+        rec = await await_prefill(body, pd_timeout_s)
+        request["log"]["paired_prefill"] = rec["prefill_url"]
+        return items
+
+    async def fault(request: web.Request) -> web.Response:
+        body = await body_of(request)
+        if body.get("mode", "none") not in FAULT_MODES:
+            return _error(f"mode must be one of {FAULT_MODES}")
+        state["fault"] = {"mode": body.get("mode", "none"), "delay_s": float(body.get("delay_s", 0.0))}
+        logger.warning("fault injected: %s", state["fault"])
+        return web.json_response(state["fault"])
 
     async def _stream(request: web.Request, reqs: list[GenRequest], is_batch: bool) -> web.StreamResponse:
         # http_server.py: SSE `data: <json>\n\n` chunks, cumulative output (incremental_streaming_output=False),
@@ -334,7 +393,7 @@ def build_app(engine: Engine, *, server_args: dict[str, Any], request_log: str |
         except BadRequest as e:
             return _error(str(e))
 
-    app = web.Application(middlewares=[logging_mw, web.middleware(on_bad_request)], client_max_size=1 << 30)
+    app = web.Application(middlewares=[fault_mw, logging_mw, web.middleware(on_bad_request)], client_max_size=1 << 30)
     app[ENGINE_KEY] = engine
     app[STATE_KEY] = state
     r = app.router
@@ -358,6 +417,7 @@ def build_app(engine: Engine, *, server_args: dict[str, Any], request_log: str |
         r.add_post(path, not_supported)
     r.add_route("*", "/release_memory_occupation", release_memory)
     r.add_route("*", "/resume_memory_occupation", resume_memory)
+    r.add_post("/_fault", fault)
 
     async def on_cleanup(_app: web.Application) -> None:
         log.close()

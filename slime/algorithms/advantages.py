@@ -229,6 +229,7 @@ def compute_advantages_and_returns(
     totals = list(batch["total_lengths"])
     resps = list(batch["response_lengths"])
     full_masks = [torch.as_tensor(m) for m in batch["loss_masks"]]
+    device = full_masks[0].device if full_masks else torch.device("cpu")  # outputs live where the masks do
     local_len = [
         sum(hi - lo for lo, hi in response_ranges_for_cp(t, r, cp_size, cp_rank))
         for t, r in zip(totals, resps, strict=True)
@@ -244,7 +245,7 @@ def compute_advantages_and_returns(
             compute_approx_kl(lp.detach(), r.detach(), kl_type).float() for lp, r in zip(log_probs, ref, strict=True)
         ]
     else:
-        kl = [torch.zeros(n, dtype=torch.float32) for n in local_len]
+        kl = [torch.zeros(n, dtype=torch.float32, device=device) for n in local_len]
     batch["kl"] = kl
 
     estimator = getattr(args, "advantage_estimator", "grpo")
@@ -253,7 +254,9 @@ def compute_advantages_and_returns(
         load_function(args.custom_advantage_function_path)(args, batch)
         advantages, returns = list(batch["advantages"]), list(batch["returns"])
     elif estimator in ("grpo", "gspo"):
-        advantages = [torch.full((n,), r, dtype=torch.float32) for r, n in zip(rewards, local_len, strict=True)]
+        advantages = [
+            torch.full((n,), r, dtype=torch.float32, device=device) for r, n in zip(rewards, local_len, strict=True)
+        ]
         returns = advantages
     elif estimator == "reinforce_plus_plus":
         full_kl = gather_response_over_cp(kl, totals, resps, ps)
@@ -273,6 +276,8 @@ def compute_advantages_and_returns(
     else:
         raise ValueError(f"unknown advantage estimator {estimator!r}")
 
+    advantages = [a.to(device) for a in advantages]
+    returns = [r.to(device) for r in returns]
     if getattr(args, "normalize_advantages", False):
         local_masks = [
             slice_response_for_cp(m, t, r, cp_size, cp_rank) for m, t, r in zip(full_masks, totals, resps, strict=True)

@@ -55,50 +55,47 @@ class RolloutManager:
 
     # ---- servers ---------------------------------------------------------------------------------------------
     def _start_servers(self) -> None:
-        from slime.backends.sglang.engine import SGLangEngine
-        from slime.backends.sglang.router import RouterProcess
-        from slime.utils.http_utils import find_free_port
+        """Every model's router and engine groups, from the deployment plan (slime/ray/rollout_servers.py)."""
+        from slime.ray.rollout_servers import RolloutServers
 
-        args = self.args
-        log_dir = os.path.join(args.metrics_dir, "servers")
-        os.makedirs(log_dir, exist_ok=True)
-        if args.sglang_router_ip and args.sglang_router_port:
-            router_url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}"  # reuse the user's router
-        else:
-            self.router = RouterProcess.start(
-                args, host="127.0.0.1", port=find_free_port(), log_file=os.path.join(log_dir, "router.log")
-            )
-            router_url = self.router.url
-        per_engine = args.rollout_num_gpus_per_engine
-        num_engines = args.rollout_num_gpus // per_engine
-        engine_cls = ray.remote(SGLangEngine)
-        for i in range(num_engines):
-            gpu = self.placement.rollout_offset + i * per_engine
-            self.engines.append(
-                engine_cls.options(
-                    num_gpus=ENGINE_GPU, num_cpus=0.01, scheduling_strategy=self.placement.strategy(gpu)
-                ).remote(args, i, base_gpu_id=self.placement.gpu_ids[gpu], num_gpus=per_engine, log_dir=log_dir)
-            )
-        urls = ray.get([e.start.remote() for e in self.engines])
-        for url in urls:
-            if self.router is not None:
-                self.router.add_worker(url)
-        host, port = router_url.removeprefix("http://").rsplit(":", 1)
-        args.sglang_router_ip, args.sglang_router_port = host, int(port)
-        args.sglang_model_routers = {args.model_name or "actor": router_url}
-        self.engine_urls = urls
-        logger.info("%d engines behind router %s", len(urls), router_url)
+        self.servers = RolloutServers(self.args, self.placement, os.path.join(self.args.metrics_dir, "servers"))
+        try:
+            self.servers.start()
+        except BaseException:
+            self.servers.dispose()
+            raise
+        # the engines weight sync reaches: the first model with update_weights (spec §1.5); all engines of all
+        # models are self.servers.engine_handles()
+        self.engines = [e for e in self.servers.updatable_engines() if e is not None]
 
     def server_info(self) -> dict[str, Any]:
         """Pids and URLs of what this manager started (tests check identity and clean-up with psutil)."""
-        return {
-            "router_pid": self.router.pid if self.router is not None else None,
-            "router_url": self.router.url if self.router is not None else None,
-            "engine_pids": ray.get([e.pid.remote() for e in self.engines]),
-            "engine_urls": list(getattr(self, "engine_urls", [])),
-            "manager_pid": os.getpid(),
-            "dist_initialized": torch.distributed.is_available() and torch.distributed.is_initialized(),
-        }
+        servers = getattr(self, "servers", None)
+        info: dict[str, Any] = {"router_pid": None, "router_url": None, "engine_pids": [], "engine_urls": []}
+        if servers is not None:
+            info.update(servers.info())
+        info["manager_pid"] = os.getpid()
+        info["dist_initialized"] = torch.distributed.is_available() and torch.distributed.is_initialized()
+        return info
+
+    # ---- weight sync ----------------------------------------------------------------------------------------
+    def begin_weight_sync(self) -> list[str]:
+        """Restart dead engines, stop health checks (paused engines look dead), return the receiving URLs:
+        the engines of the first model with `update_weights: true` (spec §1.5)."""
+        servers = getattr(self, "servers", None)
+        if servers is None:
+            return []
+        servers.recover()
+        servers.pause_health_monitor()
+        model = servers.config.weight_sync_model
+        if model is None:
+            return []
+        return [e["url"] for e in servers.info()["engines"] if e["model"] == model.name and e["alive"]]
+
+    def end_weight_sync(self) -> None:
+        servers = getattr(self, "servers", None)
+        if servers is not None:
+            servers.resume_health_monitor()
 
     # ---- rollouts --------------------------------------------------------------------------------------------
     def num_rollout_per_epoch(self) -> int:
@@ -172,13 +169,9 @@ class RolloutManager:
             self.data_source.load(rollout_id, path)
 
     def dispose(self) -> None:
-        for e in self.engines:
-            try:
-                ray.get(e.shutdown.remote(), timeout=30)
-            except Exception:  # noqa: BLE001 - best effort: the engine may already be gone
-                logger.warning("engine shutdown failed", exc_info=True)
+        servers = getattr(self, "servers", None)
+        if servers is not None:
+            servers.dispose()
+            self.servers = None
         self.engines = []
-        if self.router is not None:
-            self.router.stop()
-            self.router = None
         self.tracker.close()

@@ -15,9 +15,11 @@ import inspect
 import logging
 from typing import Any
 
+import aiohttp
+
 from slime.rollout.dataset import load_tokenizer
 from slime.rollout.rm_hub import async_rm, batched_async_rm
-from slime.utils.http_utils import post_json
+from slime.utils.http_utils import get_session, post_json
 from slime.utils.misc import load_function
 from slime.utils.types import Sample, Status
 
@@ -38,6 +40,38 @@ def get_model_url(args: Any, name: str | None = None, endpoint: str = "/generate
             f"no router for model {name!r}; known models: {sorted(routers) or 'none'} (see --sglang-config)"
         )
     return routers[name].rstrip("/") + endpoint
+
+
+async def post_generate_with_failover(
+    args: Any, url: str, payload: dict[str, Any], headers: dict[str, str] | None
+) -> dict[str, Any]:
+    """`--use-fault-tolerance`: a `/generate` that fails because its engine died (connection lost, 5xx from
+    the router) is sent again, whole, until another engine answers. Nothing of a failed attempt is kept, so
+    a sample's tokens always come from one engine. 4xx answers are the request's fault and are raised.
+
+    The retry window covers the health monitor's detection time (interval + timeout), after which the dead
+    engine is off the router and the retry lands elsewhere."""
+    window = 2 * (float(args.rollout_health_check_interval) + float(args.rollout_health_check_timeout)) + 30.0
+    deadline = asyncio.get_running_loop().time() + window
+    delay = 0.2
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            async with get_session().post(url, json=payload, headers=headers) as resp:
+                if resp.status < 400:
+                    return await resp.json(content_type=None)
+                body = (await resp.text())[:300]
+                if resp.status < 500:
+                    raise RuntimeError(f"POST {url} -> HTTP {resp.status}: {body}")
+                failure = f"HTTP {resp.status}: {body}"
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+            failure = repr(e)
+        if asyncio.get_running_loop().time() > deadline:
+            raise RuntimeError(f"POST {url} failed for {window:.0f}s over {attempt} attempts; last: {failure}")
+        logger.warning("generate attempt %d failed (%s); retrying from scratch", attempt, failure)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 2.0)
 
 
 def derive_sampling_seed(rollout_seed: int, rollout_id: int, index: int) -> int:
@@ -144,7 +178,10 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
     payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
     key = sample.session_id if sample.session_id is not None else sample.group_index
     headers = {ROUTING_KEY_HEADER: str(key)} if key is not None else None
-    out = await post_json(get_model_url(args), payload, headers=headers)
+    if getattr(args, "use_fault_tolerance", False):
+        out = await post_generate_with_failover(args, get_model_url(args), payload, headers)
+    else:
+        out = await post_json(get_model_url(args), payload, headers=headers)
 
     meta = out.get("meta_info") or {}
     logprob_items = meta.get("output_token_logprobs") or []

@@ -78,7 +78,13 @@ class MegatronParallelState:
 
     def _all_reduce_inplace(self, tensor: torch.Tensor, op: str, dim: str) -> torch.Tensor:
         if self._sizes[dim] > 1:
-            dist.all_reduce(tensor, op=_OPS[op], group=self._groups[dim])
+            if tensor.device.type == "cpu" and dist.get_backend(self._groups[dim]) == "nccl":
+                # NCCL reduces device memory only; small host-side statistics make the round trip.
+                staged = tensor.cuda()
+                dist.all_reduce(staged, op=_OPS[op], group=self._groups[dim])
+                tensor.copy_(staged)
+            else:
+                dist.all_reduce(tensor, op=_OPS[op], group=self._groups[dim])
         if op == "avg":
             tensor.div_(self._sizes[dim])
         return tensor
@@ -96,9 +102,13 @@ class MegatronParallelState:
         n = self._sizes[dim]
         if n == 1:
             return [tensor.detach().clone()]
-        out = [torch.empty_like(tensor) for _ in range(n)]
-        dist.all_gather(out, tensor.detach().contiguous(), group=self._groups[dim])
-        return out
+        src = tensor.detach().contiguous()
+        host = src.device.type == "cpu" and dist.get_backend(self._groups[dim]) == "nccl"
+        if host:
+            src = src.cuda()
+        out = [torch.empty_like(src) for _ in range(n)]
+        dist.all_gather(out, src, group=self._groups[dim])
+        return [t.cpu() for t in out] if host else out
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, dim: Dim = "dp") -> torch.Tensor:
         n = self._sizes[dim]
