@@ -8,11 +8,14 @@ step() { echo "=== [$(( $(date +%s) - t0 ))s] $*"; }
 step "system packages (redis-server)"
 if ! command -v redis-server >/dev/null; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
-    || echo "warning: redis-server could not be installed"
+    || { echo "error: redis-server could not be installed" >&2; exit 1; }
 fi
 
 step "python environment"
 bash scripts/install.sh
+
+step "agent CLIs (Claude Code, Codex; pinned, project-local)"
+bash ci/agent_clis.sh
 
 step "SGLang side venv (flag snapshot and argv checks)"
 bash ci/sglang_venv.sh .venv-sglang

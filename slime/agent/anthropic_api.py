@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from slime.agent.chains import anthropic_hints
 from slime.agent.messages import BadRequest, anthropic_messages, anthropic_tools
 from slime.agent.openai_api import _stream_errors, open_sse, send
 
@@ -57,10 +58,11 @@ async def messages(gw: Gateway, request: web.Request, s: Session, body: dict[str
     msgs = anthropic_messages(body)
     tools = anthropic_tools(body.get("tools"))
     params = request_params(body, max_tokens="max_tokens", stop="stop_sequences")
+    hints = anthropic_hints(body)
     model = body.get("model") if isinstance(body.get("model"), str) else gw.model_name
     rid = gw.new_rid(s)
     if not body.get("stream"):
-        r = await gw.run_turn(s, msgs, tools, params, rid)
+        r = await gw.run_turn(s, msgs, tools, params, rid, hints)
         out = _message(rid, model)
         out.update(content=_blocks(r), stop_reason=_stop_reason(r))
         out["usage"] = {"input_tokens": r.prompt_tokens, "output_tokens": r.completion_tokens}
@@ -69,7 +71,7 @@ async def messages(gw: Gateway, request: web.Request, s: Session, body: dict[str
     resp = await open_sse(request)
     await send(resp, {"type": "message_start", "message": _message(rid, model)}, event="message_start")
     await send(resp, {"type": "ping"}, event="ping")
-    r = await _stream_errors(resp, gw, gw.run_turn(s, msgs, tools, params, rid))
+    r = await _stream_errors(resp, gw, gw.run_turn(s, msgs, tools, params, rid, hints))
     if r is None:
         return resp
 

@@ -7,18 +7,53 @@ from typing import Any
 
 from slime.utils.errors import SlimeArgError
 
+CODEX_SANDBOXES = ("workspace-write", "read-only", "danger-full-access", "bypass")
+
 
 def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("agent")
     g.add_argument(
         "--agent-harness",
         default=None,
-        help="agent harness driving each sample through the gateway (e.g. openai-sdk, claude-code, codex)",
+        help="agent harness driving each sample through the gateway: openai-sdk, claude-code or codex",
     )
     g.add_argument("--agent-max-turns", type=int, default=4, help="model calls per episode (openai-sdk harness)")
     g.add_argument("--agent-gateway-host", default="127.0.0.1", help="bind address of the in-process gateway")
     g.add_argument("--agent-gateway-port", type=int, default=0, help="port of the in-process gateway (0: any)")
     g.add_argument("--agent-model-name", default="slime-policy", help="model id the gateway reports to clients")
+    g.add_argument(
+        "--agent-store",
+        default=None,
+        help="gateway session store: memory (default) or redis://HOST:PORT/DB, shared by several gateway processes",
+    )
+    g.add_argument("--agent-timeout", type=float, default=600.0, help="wall-clock budget of one CLI episode, seconds")
+    g.add_argument(
+        "--agent-cli-concurrency", type=int, default=8, help="CLI episodes running at once per rollout process"
+    )
+    g.add_argument(
+        "--agent-cli-prefix",
+        default=None,
+        help="npm prefix holding the agent CLIs (ci/agent_clis.sh; default $SLIME_AGENT_CLIS_PREFIX or .agent-clis/)",
+    )
+    g.add_argument(
+        "--agent-cli-args", default=None, help="extra arguments for the agent CLI (one shell-quoted string)"
+    )
+    g.add_argument(
+        "--agent-tools",
+        default=None,
+        help="claude-code: the agent's --tools list (default Bash,Read,Edit,Write; add Agent for sub-agents)",
+    )
+    g.add_argument(
+        "--agent-aux-model",
+        default="slime-small-fast",
+        help="model name Claude Code uses for small/fast calls; the gateway serves it but never trains on it",
+    )
+    g.add_argument(
+        "--agent-codex-sandbox",
+        choices=CODEX_SANDBOXES,
+        default="workspace-write",
+        help="codex: sandbox mode (bypass = --dangerously-bypass-approvals-and-sandbox, where namespaces fail)",
+    )
 
 
 def resolve_agent_args(args: Any) -> None:
@@ -28,6 +63,9 @@ def resolve_agent_args(args: Any) -> None:
     """
     from slime.agent.harness import HARNESSES
 
+    store = getattr(args, "agent_store", None)
+    if store and store != "memory" and not str(store).startswith(("redis://", "rediss://", "unix://")):
+        raise SlimeArgError(f"--agent-store {store!r}: use memory or a redis:// URL")
     name = getattr(args, "agent_harness", None)
     if name is None:
         return
@@ -41,3 +79,7 @@ def resolve_agent_args(args: Any) -> None:
     args.custom_generate_function_path = HARNESSES[name]
     if getattr(args, "agent_max_turns", 1) is not None and int(getattr(args, "agent_max_turns", 1)) < 1:
         raise SlimeArgError("--agent-max-turns must be >= 1")
+    for flag in ("agent_timeout", "agent_cli_concurrency"):
+        v = getattr(args, flag, None)
+        if v is not None and v <= 0:
+            raise SlimeArgError(f"--{flag.replace('_', '-')} must be > 0")

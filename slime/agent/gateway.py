@@ -8,6 +8,10 @@ mistakes get 4xx and never 5xx, because Claude Code retries 5xx for over a minut
 Credentials: `Authorization: Bearer <api_key>` or `x-api-key: <api_key>` (the real clients differ), or the
 key as path prefix `/s/<api_key>/...` (the `base_url` the admin API returns, for clients that cannot set a
 key), or `/sessions/<session_id>/...` together with the key in a header.
+
+Each turn: route the request to one of the session's chains and build its prompt ids (`slime.agent.chains`,
+`slime.agent.sessions`) under the session lock, generate without holding it, then record the engine's ids and
+log-probs under the lock again. The store (`--agent-store`) may be shared by several gateway processes.
 """
 
 from __future__ import annotations
@@ -16,22 +20,26 @@ import asyncio
 import json
 import logging
 import re
-from collections.abc import Awaitable, Callable
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
+from slime.agent.chains import RequestHints, register_subagent_calls, route
 from slime.agent.engine_client import EngineClient, EngineError
-from slime.agent.messages import BadRequest
+from slime.agent.messages import BadRequest, message_hash
 from slime.agent.parsing import ParsedOutput, parse_model_output
 from slime.agent.sessions import (
     ChainTurn,
-    InMemorySessionStore,
     PromptBuilder,
     Session,
     SessionStore,
+    StoreError,
     canonical_assistant,
+    open_store,
     parsed_to_message,
 )
 from slime.agent.trajectory import TokenSegment, TurnRecord, segment_to_json
@@ -120,23 +128,33 @@ class Gateway:
         engine_url: str,
         *,
         admin_token: str | None = None,
-        store: SessionStore | None = None,
+        store: SessionStore | str | None = None,
         model_name: str = "slime-policy",
         max_body_bytes: int = MAX_BODY_BYTES,
         default_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         public_url: str | None = None,
+        aux_models: Collection[str] = (),
+        request_log: str | None = None,
     ) -> None:
+        """`store`: a `SessionStore`, or an `--agent-store` URL (memory | redis://...) the gateway opens and
+        closes itself. `aux_models`: model names served but never trained (small/fast-model calls).
+        `request_log`: append every API request (credentials masked) to this JSONL file."""
         self.tokenizer = tokenizer
         self.builder = PromptBuilder(tokenizer)
         self.engine = EngineClient(engine_url)
         self.admin_token = admin_token
-        self.store: SessionStore = store if store is not None else InMemorySessionStore()
+        self._owns_store = store is None or isinstance(store, str)
+        self.store: SessionStore = open_store(store) if store is None or isinstance(store, str) else store
         self.model_name = model_name
         self.max_body_bytes = max_body_bytes
         self.default_max_new_tokens = default_max_new_tokens
         self.public_url = public_url
+        self.aux_models = frozenset(aux_models)
+        self.request_log = request_log
         self._runner: web.AppRunner | None = None
         self._counter = 0
+        self._tag = secrets.token_hex(2)  # keeps request ids unique across gateway processes sharing a store
+        self._tasks: dict[str, asyncio.Task] = {}  # in-flight turns of this process, by request id
         self.app = self._build_app()
 
     # ---- lifecycle -------------------------------------------------------------------------------------
@@ -157,6 +175,8 @@ class Gateway:
             await self._runner.cleanup()
             self._runner = None
         await self.engine.close()
+        if self._owns_store:
+            await self.store.close()
 
     # ---- sessions (Python API; the admin routes call these) ---------------------------------------------
     async def open_session(
@@ -174,24 +194,30 @@ class Gateway:
         return {"session_id": s.session_id, "api_key": s.api_key, "base_url": f"{base}/s/{s.api_key}"}
 
     async def finish_session(self, session_id: str) -> list[TokenSegment]:
-        """Close the session (later requests get 409), let an in-flight turn end (≤5 s, then cancel it) and
-        return its merged segments. Idempotent: a second call returns []."""
-        s = await self.store.get(session_id)
-        if s is None:
-            raise KeyError(session_id)
-        if s.finished:
-            return []
-        s.finished = True
-        try:
-            await asyncio.wait_for(s.lock.acquire(), FINISH_WAIT_S)
-        except TimeoutError:
-            for t in list(s.inflight):
-                t.cancel()
-            await s.lock.acquire()
-        try:
-            segments = s.segments()
-        finally:
-            s.lock.release()
+        """Close the session (later requests get 409), let in-flight turns end (≤5 s, then cancel them, or
+        abort them at the engine when another gateway process serves them) and return the merged segments.
+        Idempotent: a second call returns []."""
+        async with self.store.locked(session_id) as st:  # KeyError for an unknown session
+            if st.finished:
+                return []
+            st.finished = True
+            waiting = list(st.inflight)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + FINISH_WAIT_S
+        while waiting and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+            snap = await self.store.get(session_id)
+            waiting = list(snap.inflight) if snap is not None else []
+        for rid in waiting:
+            task = self._tasks.get(rid)
+            if task is not None:
+                task.cancel()  # its engine request is aborted by the client's cancellation path
+            else:
+                await self.engine.abort(rid)
+        async with self.store.locked(session_id) as st:
+            st.sealed = True  # from here on a late answer is not recorded
+            await self.store.load_turns(st)
+            segments = st.segments()
         await self.store.remove(session_id)
         return segments
 
@@ -219,50 +245,86 @@ class Gateway:
         tools: list[dict[str, Any]],
         client_params: dict[str, Any],
         rid: str | None = None,
+        hints: RequestHints | None = None,
     ) -> TurnResult:
+        """Route the request to a chain and build its prompt (under the session lock), generate (without
+        it, so parallel sub-agents of one session generate concurrently), then record the turn (locked)."""
         rid = rid or self.new_rid(s)
         task = asyncio.current_task()
         if task is not None:
-            s.inflight.add(task)
+            self._tasks[rid] = task  # before anything is awaited: finish may cancel it from here on
+        recorded = False
         try:
-            async with s.lock:
-                if s.finished:
+            chain_id, prompt_ids, turn_meta = await self._plan_turn(s.session_id, rid, messages, tools, hints)
+            params = self._sampling_params(s, client_params, len(prompt_ids))
+            if params["max_new_tokens"] <= 0:
+                ids, lps, finish = [], [], "length"  # no room left in the context: an empty, truncated turn
+            else:
+                res = await self.engine.generate(prompt_ids, params, rid=rid, routing_key=s.session_id)
+                if res.finish_reason == "abort":
+                    raise EngineError("generation aborted by the engine", status=503)
+                ids, lps, finish = res.output_ids, res.log_probs, res.finish_reason
+            body = ids[:-1] if ids and ids[-1] == self.builder.eos_id else ids
+            raw = self.tokenizer.decode(body, skip_special_tokens=False)
+            parsed = parse_model_output(raw, [t["function"]["name"] for t in tools])
+            record = TurnRecord(list(prompt_ids), list(ids), list(lps), finish)
+            turn = ChainTurn(record, *turn_meta, canonical_assistant(parsed_to_message(parsed)))
+            async with self.store.locked(s.session_id) as st:
+                if st.sealed:
                     raise BadRequest("session is finished", status=409)
-                return await self._run_turn_locked(s, messages, tools, client_params, rid)
+                if rid in st.inflight:
+                    st.inflight.remove(rid)
+                st.add_turn(chain_id, turn)
+                register_subagent_calls(st, chain_id, rid, parsed)
+            recorded = True
         finally:
-            if task is not None:
-                s.inflight.discard(task)
-
-    async def _run_turn_locked(
-        self, s: Session, messages: list[dict[str, Any]], tools: list[dict[str, Any]], client: dict[str, Any], rid: str
-    ) -> TurnResult:
-        s.num_requests += 1
-        try:
-            action, prompt_ids, hashes, th, text = self.builder.plan(s, messages, tools)
-        except BadRequest:
-            raise
-        except Exception as e:  # the chat template rejected the messages (e.g. roles out of order)
-            raise BadRequest(f"messages: cannot be rendered with the model's chat template: {e}") from e
-        params = self._sampling_params(s, client, len(prompt_ids))
-        if params["max_new_tokens"] <= 0:
-            ids, lps, finish = [], [], "length"  # no room left in the context: an empty, truncated turn
-        else:
-            res = await self.engine.generate(prompt_ids, params, rid=rid, routing_key=s.session_id)
-            if res.finish_reason == "abort":
-                raise EngineError("generation aborted by the engine", status=503)
-            ids, lps, finish = res.output_ids, res.log_probs, res.finish_reason
-        logger.debug("session %s turn %s: %s, %d prompt ids", s.session_id, rid, action, len(prompt_ids))
-        body = ids[:-1] if ids and ids[-1] == self.builder.eos_id else ids
-        raw = self.tokenizer.decode(body, skip_special_tokens=False)
-        parsed = parse_model_output(raw, [t["function"]["name"] for t in tools])
-        record = TurnRecord(list(prompt_ids), list(ids), list(lps), finish)
-        s.chain.append(ChainTurn(record, hashes, th, text, canonical_assistant(parsed_to_message(parsed))))
+            self._tasks.pop(rid, None)
+            if not recorded:
+                await self._forget_inflight(s.session_id, rid)
         return TurnResult(rid, parsed, "length" if finish == "length" else "stop", len(prompt_ids), len(ids))
 
+    async def _plan_turn(
+        self,
+        sid: str,
+        rid: str,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        hints: RequestHints | None,
+    ) -> tuple[str, list[int], tuple[list[str], str, str]]:
+        """(chain id, prompt ids, (hashes, tools hash, prompt text)); marks `rid` in flight."""
+        hashes = [message_hash(m) for m in messages]
+        async with self.store.locked(sid) as st:
+            if st.finished:
+                raise BadRequest("session is finished", status=409)
+            st.num_requests += 1
+            chain_id = route(st, hints or RequestHints(), hashes, self.aux_models)
+            try:
+                action, prompt_ids, hashes, th, text = self.builder.plan(
+                    st.last_turn(chain_id), messages, tools, hashes
+                )
+            except BadRequest:
+                raise
+            except Exception as e:  # the chat template rejected the messages (e.g. roles out of order)
+                raise BadRequest(f"messages: cannot be rendered with the model's chat template: {e}") from e
+            if action == "wipe":
+                st.freeze(chain_id, st.wipe_kind(chain_id))
+            st.inflight.append(rid)
+        logger.debug("session %s turn %s: %s on chain %s, %d prompt ids", sid, rid, action, chain_id, len(prompt_ids))
+        return chain_id, prompt_ids, (hashes, th, text)
+
+    async def _forget_inflight(self, sid: str, rid: str) -> None:
+        try:
+            async with self.store.locked(sid) as st:
+                if rid in st.inflight:
+                    st.inflight.remove(rid)
+        except Exception as e:  # the store is gone (shutdown): finish will wait out its 5 s and move on
+            logger.warning("could not clear in-flight turn %s of %s: %r", rid, sid, e)
+
     def new_rid(self, s: Session) -> str:
-        """Engine request id; also the id of the protocol answer, so a client-side id maps to the engine call."""
+        """Engine request id, unique across gateway processes; also the id of the protocol answer, so a
+        client-side id maps to the engine call."""
         self._counter += 1
-        return f"{s.session_id}-{self._counter}"
+        return f"{s.session_id}-{self._tag}{self._counter}"
 
     def count_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> int:
         return len(self.builder.encode(self.builder.render(messages, tools, gen=True)))
@@ -291,8 +353,8 @@ class Gateway:
             return await handler(request)
         except BadRequest as e:
             return error_response(e.status, str(e), anthropic=anthropic)
-        except EngineError as e:
-            logger.warning("engine error on %s: %s", request.path, e)
+        except (EngineError, StoreError) as e:
+            logger.warning("%s on %s: %s", type(e).__name__, request.path, e)
             return error_response(e.status, str(e), anthropic=anthropic)
         except web.HTTPRequestEntityTooLarge:
             return error_response(413, f"request body over {self.max_body_bytes} bytes", anthropic=anthropic)
@@ -313,6 +375,8 @@ class Gateway:
                     raise BadRequest(f"{path}: use POST", status=405)
                 session = await self._authenticate(request)
                 body = await self._json_body(request)
+                if self.request_log:
+                    self._log_request(request, body)
                 return await handler(self, request, session, body)
         raise BadRequest(f"no route for {request.method} {path}", status=404)
 
@@ -341,6 +405,15 @@ class Gateway:
         if s.finished:
             raise BadRequest(f"session {s.session_id} is finished", status=409)
         return s
+
+    def _log_request(self, request: web.Request, body: dict[str, Any]) -> None:
+        """Captures of real clients (how `tests/fixtures/agent/` was recorded); credentials never written."""
+        secret = {"authorization", "x-api-key", "cookie"}
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in secret}
+        path = _KEY_PREFIX.sub(lambda m: "/s/***" + (m.group(2) or ""), request.path_qs)
+        rec = {"time": time.time(), "method": request.method, "path": path, "headers": headers, "body": body}
+        with open(self.request_log, "a") as f:  # type: ignore[arg-type]
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
 
     async def _json_body(self, request: web.Request) -> dict[str, Any]:
         raw = await request.read()  # raises 413 past client_max_size

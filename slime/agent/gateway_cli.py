@@ -22,6 +22,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=4096, help="cap when neither session nor client sets one")
     p.add_argument("--max-body-mb", type=int, default=64)
     p.add_argument("--public-url", default=None, help="URL clients reach the gateway at (default http://HOST:PORT)")
+    p.add_argument(
+        "--store",
+        default=os.environ.get("SLIME_AGENT_STORE", "memory"),
+        help="session store: memory, or redis://HOST:PORT/DB to serve sessions together with other gateway processes",
+    )
+    p.add_argument("--aux-model", action="append", default=[], help="model name served but never trained (repeat)")
+    p.add_argument("--request-log", default=None, help="append every API request (credentials masked) to this JSONL")
     return p
 
 
@@ -39,6 +46,9 @@ async def _serve(a: argparse.Namespace) -> None:
         max_body_bytes=a.max_body_mb << 20,
         default_max_new_tokens=a.max_new_tokens,
         public_url=a.public_url,
+        store=a.store,
+        aux_models=a.aux_model,
+        request_log=a.request_log,
     )
     url = await gw.start(a.host, a.port)
     stop = asyncio.Event()

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from slime.agent.chains import chat_hints, responses_hints
 from slime.agent.messages import (
     BadRequest,
     openai_chat_messages,
@@ -44,10 +45,11 @@ async def send(resp: web.StreamResponse, data: dict[str, Any] | str, event: str 
 async def _stream_errors(resp: web.StreamResponse, gw: Gateway, coro: Any) -> TurnResult | None:
     """Run the turn; once SSE has started an error can only be reported in-band."""
     from slime.agent.engine_client import EngineError
+    from slime.agent.sessions import StoreError
 
     try:
         return await coro
-    except (BadRequest, EngineError) as e:
+    except (BadRequest, EngineError, StoreError) as e:
         await send(resp, {"error": {"message": str(e), "code": getattr(e, "status", 500)}}, event="error")
         await resp.write_eof()
         return None
@@ -93,10 +95,11 @@ async def chat_completions(gw: Gateway, request: web.Request, s: Session, body: 
     messages = openai_chat_messages(body.get("messages"))
     tools = openai_chat_tools(body.get("tools"))
     params = request_params(body, max_tokens="max_tokens", stop="stop")
+    hints = chat_hints(body)
     model = body.get("model") if isinstance(body.get("model"), str) else gw.model_name
     created = int(time.time())
     if not body.get("stream"):
-        r = await gw.run_turn(s, messages, tools, params)
+        r = await gw.run_turn(s, messages, tools, params, hints=hints)
         msg: dict[str, Any] = {"role": "assistant", "content": r.parsed.text or None}
         if r.parsed.reasoning:
             msg["reasoning_content"] = r.parsed.reasoning
@@ -131,7 +134,7 @@ async def chat_completions(gw: Gateway, request: web.Request, s: Session, body: 
         }
 
     await send(resp, chunk({"role": "assistant", "content": ""}))
-    r = await _stream_errors(resp, gw, gw.run_turn(s, messages, tools, params, rid))
+    r = await _stream_errors(resp, gw, gw.run_turn(s, messages, tools, params, rid, hints))
     if r is None:
         return resp
     if r.parsed.reasoning:
@@ -171,6 +174,8 @@ def _response_items(r: TurnResult, custom: set[str]) -> list[dict[str, Any]]:
                 "type": "reasoning",
                 "id": f"rs_{r.rid}",
                 "summary": [{"type": "summary_text", "text": r.parsed.reasoning}],
+                # opaque state clients echo back verbatim (Codex does): names the engine call
+                "encrypted_content": f"slime:{r.rid}",
             }
         )
     if r.parsed.text or not r.parsed.tool_calls:
@@ -251,10 +256,11 @@ async def responses(gw: Gateway, request: web.Request, s: Session, body: dict[st
     messages = responses_messages(body)
     tools, custom = responses_tools(body.get("tools"))
     params = request_params(body, max_tokens="max_output_tokens", stop="stop")
+    hints = responses_hints(body)
     model = body.get("model") if isinstance(body.get("model"), str) else gw.model_name
     created = int(time.time())
     if not body.get("stream"):
-        r = await gw.run_turn(s, messages, tools, params)
+        r = await gw.run_turn(s, messages, tools, params, hints=hints)
         obj = _response_obj(r.rid, model, created, body, "completed")
         return web.json_response(_finish_response(obj, r, _response_items(r, custom)))
     resp = await open_sse(request)
@@ -269,7 +275,7 @@ async def responses(gw: Gateway, request: web.Request, s: Session, body: dict[st
     obj = _response_obj(rid, model, created, body, "in_progress")
     await event("response.created", response=obj)
     await event("response.in_progress", response=obj)
-    r = await _stream_errors(resp, gw, gw.run_turn(s, messages, tools, params, rid))
+    r = await _stream_errors(resp, gw, gw.run_turn(s, messages, tools, params, rid, hints))
     if r is None:
         return resp
     items = _response_items(r, custom)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from slime.agent.parsing import parse_model_output
-from slime.agent.sessions import ChainTurn, PromptBuilder, Session, canonical_assistant, parsed_to_message
+from slime.agent.sessions import MAIN, ChainTurn, PromptBuilder, Session, canonical_assistant, parsed_to_message
 from slime.agent.trajectory import TurnRecord
 
 pytestmark = pytest.mark.cpu
@@ -28,11 +28,13 @@ def builder(tmp_path_factory: pytest.TempPathFactory) -> PromptBuilder:
 
 
 def _turn(b: PromptBuilder, s: Session, messages: list, completion: str) -> tuple[str, list[int]]:
-    action, ids, hashes, th, text = b.plan(s, messages, TOOLS)
+    action, ids, hashes, th, text = b.plan(s.last_turn(MAIN), messages, TOOLS)
+    if action == "wipe":
+        s.freeze(MAIN, "wipe")
     out = b.encode(completion) + [b.eos_id]
     parsed = parse_model_output(completion, ["f"])
     rec = TurnRecord(ids, out, [-0.1] * len(out))
-    s.chain.append(ChainTurn(rec, hashes, th, text, canonical_assistant(parsed_to_message(parsed))))
+    s.add_turn(MAIN, ChainTurn(rec, hashes, th, text, canonical_assistant(parsed_to_message(parsed))))
     return action, ids
 
 

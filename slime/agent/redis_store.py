@@ -1,0 +1,217 @@
+"""Sessions in Redis (`--agent-store redis://...`): several gateway processes serve one session.
+
+Why Redis: an agent's requests may land on any gateway process (a load balancer in front of several, or a
+client that reconnects elsewhere), and finish may be called on yet another one. Everything a turn needs
+is therefore shared: the session's settings and routing state, its turn records and its lock.
+
+Layout (prefix `slime:agent:` by default):
+
+* `s:{sid}` hash: `meta` (credential, sampling defaults, context budget, metadata) and `state` (the routing
+  state of `slime.agent.sessions.state_to_json`: chains as turn-id lists, frozen contexts, pending sub-agent
+  calls, in-flight request ids, flags). Small, rewritten on every locked change.
+* `s:{sid}:turns` list: the turn log, append-only (RPUSH), one JSON entry per engine call; a turn's id is
+  its position. Routing loads only each live chain's newest entry (LINDEX); finish loads them all.
+* `s:{sid}:lock`: the per-session lock, `SET NX PX` with a random token. Critical sections are short (route +
+  prompt build, then commit; generation runs unlocked), so the TTL only matters when a process dies holding it.
+* `k:{api_key}` -> sid.
+
+Writes are fenced: the state and new turns are written in one MULTI/EXEC under WATCH of the lock key, after
+checking the token, so a process whose lock expired cannot overwrite a newer state. No Lua (fakeredis runs
+the same code in unit tests without a Lua runtime). Keys expire `session_ttl_s` after the last change;
+finished sessions leave a tombstone for `tombstone_ttl_s` so late requests get 409.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+
+from slime.agent.sessions import (
+    Session,
+    StoreError,
+    load_state,
+    new_credentials,
+    state_to_json,
+    turn_from_json,
+    turn_to_json,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class RedisSessionStore:
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        client: Any = None,
+        prefix: str = "slime:agent:",
+        lock_ttl_ms: int = 30_000,
+        lock_timeout_s: float = 60.0,
+        session_ttl_s: int = 24 * 3600,
+        tombstone_ttl_s: int = 3600,
+    ) -> None:
+        if client is None:
+            import redis.asyncio as aioredis
+
+            if url is None:
+                raise ValueError("RedisSessionStore needs a redis:// URL or a client")
+            client = aioredis.Redis.from_url(url, decode_responses=True)
+        self.r = client
+        self.prefix = prefix
+        self.lock_ttl_ms = lock_ttl_ms
+        self.lock_timeout_s = lock_timeout_s
+        self.session_ttl_s = session_ttl_s
+        self.tombstone_ttl_s = tombstone_ttl_s
+
+    def _k(self, sid: str, part: str = "") -> str:
+        return f"{self.prefix}s:{sid}{part}"
+
+    def _key_index(self, api_key: str) -> str:
+        return f"{self.prefix}k:{api_key}"
+
+    # ---- SessionStore ----------------------------------------------------------------------------------
+    async def create(
+        self, *, sampling_defaults: dict[str, Any], max_context_tokens: int, metadata: dict[str, Any]
+    ) -> Session:
+        sid, key = new_credentials()
+        s = Session(sid, key, dict(sampling_defaults), int(max_context_tokens), dict(metadata))
+        meta = {
+            "api_key": key,
+            "sampling_defaults": s.sampling_defaults,
+            "max_context_tokens": s.max_context_tokens,
+            "metadata": s.metadata,
+            "created": s.created,
+        }
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hset(self._k(sid), mapping={"meta": json.dumps(meta), "state": json.dumps(state_to_json(s))})
+            pipe.expire(self._k(sid), self.session_ttl_s)
+            pipe.set(self._key_index(key), sid, ex=self.session_ttl_s)
+            await pipe.execute()
+        return s
+
+    async def get(self, session_id: str) -> Session | None:
+        meta, state = await self.r.hmget(self._k(session_id), ["meta", "state"])
+        if meta is None or state is None:
+            return None
+        m = json.loads(meta)
+        s = Session(
+            session_id,
+            m["api_key"],
+            m["sampling_defaults"],
+            int(m["max_context_tokens"]),
+            m["metadata"],
+            float(m["created"]),
+        )
+        load_state(s, json.loads(state))
+        return s
+
+    async def by_api_key(self, api_key: str) -> Session | None:
+        sid = await self.r.get(self._key_index(api_key))
+        return await self.get(sid) if sid is not None else None
+
+    @contextlib.asynccontextmanager
+    async def locked(self, session_id: str) -> AsyncIterator[Session]:
+        token = await self._acquire(session_id)
+        done = False
+        try:
+            s = await self.get(session_id)
+            if s is None:
+                raise KeyError(session_id)
+            await self._load_newest_turns(s)
+            yield s
+            await self._commit(s, token)
+            done = True
+        finally:
+            if not done:
+                await self._release(session_id, token)
+
+    async def load_turns(self, session: Session) -> None:
+        raw = await self.r.lrange(self._k(session.session_id, ":turns"), 0, -1)
+        if len(raw) != session.num_turns:
+            raise StoreError(f"session {session.session_id}: {len(raw)} turn records, state says {session.num_turns}")
+        session.turns = {i: turn_from_json(json.loads(x)) for i, x in enumerate(raw)}
+
+    async def remove(self, session_id: str) -> None:
+        """Drop the chains and turn log; the flags stay as a short-lived tombstone (late requests get 409)."""
+        token = await self._acquire(session_id)
+        try:
+            s = await self.get(session_id)
+            if s is None:
+                return
+            s.chains, s.frozen, s.pending, s.inflight = {}, [], {}, []
+            await self._commit(s, token, drop_turns=True)
+        finally:
+            await self._release(session_id, token)
+
+    async def close(self) -> None:
+        await self.r.aclose()
+
+    # ---- lock and fenced commit ------------------------------------------------------------------------
+    async def _acquire(self, sid: str) -> str:
+        token = secrets.token_hex(8)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.lock_timeout_s
+        delay = 0.001
+        while not await self.r.set(self._k(sid, ":lock"), token, nx=True, px=self.lock_ttl_ms):
+            if loop.time() > deadline:
+                raise StoreError(f"session {sid}: lock not acquired within {self.lock_timeout_s:.0f}s")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.02)
+        return token
+
+    async def _release(self, sid: str, token: str) -> None:
+        from redis.exceptions import WatchError
+
+        lock = self._k(sid, ":lock")
+        with contextlib.suppress(WatchError):
+            async with self.r.pipeline(transaction=True) as pipe:
+                await pipe.watch(lock)
+                if await pipe.get(lock) == token:
+                    pipe.multi()
+                    pipe.delete(lock)
+                    await pipe.execute()
+
+    async def _commit(self, s: Session, token: str, drop_turns: bool = False) -> None:
+        """State + new turns + unlock in one transaction, only while we still hold the lock."""
+        from redis.exceptions import WatchError
+
+        lock, turns = self._k(s.session_id, ":lock"), self._k(s.session_id, ":turns")
+        ttl = self.tombstone_ttl_s if drop_turns else self.session_ttl_s
+        try:
+            async with self.r.pipeline(transaction=True) as pipe:
+                await pipe.watch(lock)
+                if await pipe.get(lock) != token:
+                    raise StoreError(f"session {s.session_id}: lock expired before the commit (nothing written)")
+                pipe.multi()
+                pipe.hset(self._k(s.session_id), "state", json.dumps(state_to_json(s)))
+                if drop_turns:
+                    pipe.delete(turns)
+                elif s.new_turns:
+                    pipe.rpush(turns, *(json.dumps(turn_to_json(s.turns[i])) for i in s.new_turns))
+                    pipe.expire(turns, ttl)
+                pipe.expire(self._k(s.session_id), ttl)
+                pipe.expire(self._key_index(s.api_key), ttl)
+                pipe.delete(lock)
+                await pipe.execute()
+        except WatchError as e:
+            raise StoreError(f"session {s.session_id}: lock lost during the commit (nothing written)") from e
+        s.new_turns.clear()
+
+    async def _load_newest_turns(self, s: Session) -> None:
+        ids = [ch.turn_ids[-1] for ch in s.chains.values() if ch.turn_ids]
+        if not ids:
+            return
+        async with self.r.pipeline(transaction=False) as pipe:
+            for i in ids:
+                pipe.lindex(self._k(s.session_id, ":turns"), i)
+            raw = await pipe.execute()
+        for i, x in zip(ids, raw, strict=True):
+            if x is None:
+                raise StoreError(f"session {s.session_id}: turn {i} missing from the turn log")
+            s.turns[i] = turn_from_json(json.loads(x))
