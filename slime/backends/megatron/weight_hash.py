@@ -1,0 +1,143 @@
+"""Hashes of the HF weights the trainer exports, in the format of SGLang's `/weights_checker` checksums.
+
+Why: after a weight sync the trainer and each engine should hold bit-identical weights. Comparing hashes
+proves it without shipping the weights back. The format is SGLang 0.5.23's (python/sglang/srt/utils/
+weight_checker.py `_compute_checksum`): per tensor ``f"{tensor_hash(t):016x}"``, where ``tensor_hash`` of a CPU
+tensor is the first 8 bytes of SHA-256 over its raw bytes read big-endian (python/sglang/srt/managers/
+mm_utils.py); the per-rank checksum is SHA-256 over the sorted (name, checksum) pairs.
+
+What can be compared with what: the fake engine (`sim/fake_sglang`, HF parameter names, CPU tensors) and
+SGLang's CPU path hash exactly what this module hashes. A GPU SGLang hashes CUDA tensors with a GPU kernel and
+names fused parameters (``qkv_proj``, ``gate_up_proj``), so its per-tensor values never equal these; there the
+check is SGLang's snapshot → reset_tensors → update → compare sequence on the engine alone.
+
+Use (the `--check-weight-update-equal` wiring)::
+
+    sums = trainer_weight_checksums(trainer, bucket_bytes)       # every TP rank iterates; senders get a dict
+    if sums is not None:
+        check_engines(engine_urls, sums)                        # raises WeightMismatch naming the tensors
+
+With pipeline parallelism each stage's sender hashes its own layers; merge the dicts (names are disjoint)
+before comparing with an engine, which holds all layers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import httpx
+import torch
+
+logger = logging.getLogger(__name__)
+
+# weight_checker.py: _NON_PERSISTENT_BUFFER_PATTERNS — engines skip these, the trainer never exports them
+_SKIPPED = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis", "expert_mask_gpu")
+
+
+class WeightMismatch(RuntimeError):
+    """An engine does not hold the weights the trainer just sent."""
+
+
+def tensor_checksum(t: torch.Tensor) -> str:
+    """16 hex digits: the first 8 bytes (big-endian) of SHA-256 over the tensor's contiguous CPU bytes."""
+    t = t.detach().to("cpu").contiguous()
+    raw = t.reshape(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(memoryview(raw)).digest()[:8].hex()
+
+
+def overall_checksum(checksums: dict[str, str]) -> str:
+    """One digest over every (name, checksum) pair in name order (SGLang's ``per_gpu_checksum``)."""
+    h = hashlib.sha256()
+    for name in sorted(checksums):
+        h.update(name.encode())
+        h.update(checksums[name].encode())
+    return h.hexdigest()
+
+
+def hf_weight_checksums(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    dtype: torch.dtype | None = None,
+    skip_tensor_list: list[str] | None = None,
+) -> dict[str, str]:
+    """Checksums of (HF name, tensor) pairs; `dtype` casts first (hash what the engine stores, not the sender)."""
+    out: dict[str, str] = {}
+    for name, t in named_tensors:
+        if any(p in name for p in _SKIPPED) or any(p in name for p in (skip_tensor_list or ())):
+            continue
+        if name in out:
+            raise ValueError(f"tensor {name!r} exported twice")
+        out[name] = tensor_checksum(t.to(dtype) if dtype is not None else t)
+    return out
+
+
+def trainer_weight_checksums(
+    trainer: Any, bucket_bytes: int = 512 * 1024**2, dtype: torch.dtype | None = None
+) -> dict[str, str] | None:
+    """Checksums of exactly the tensors `MegatronTrainer.export_hf` sends; None on ranks that send nothing.
+
+    A TP collective like the export itself: every rank of the stage must call it.
+    """
+    named = (item for bucket in trainer.export_hf(bucket_bytes) for item in bucket)
+    if not trainer.is_weight_sender():
+        for _ in named:  # take part in the TP gathers only
+            pass
+        return None
+    return hf_weight_checksums(named, dtype=dtype)
+
+
+def fetch_engine_checksums(
+    url: str, *, client: httpx.Client | None = None, skip_tensor_list: list[str] | None = None
+) -> dict[str, str]:
+    """`POST {url}/weights_checker {"action": "checksum"}`; the per-tensor checksums of a TP-1 engine."""
+    body: dict[str, Any] = {"action": "checksum"}
+    if skip_tensor_list:
+        body["skip_tensor_list"] = skip_tensor_list
+    own = client is None
+    client = client or httpx.Client(timeout=120.0)
+    try:
+        r = client.post(f"{url.rstrip('/')}/weights_checker", json=body)
+    finally:
+        if own:
+            client.close()
+    data = r.json() if r.content else {}
+    if r.status_code != 200 or not data.get("success"):
+        raise WeightMismatch(f"{url}/weights_checker answered {r.status_code}: {str(data)[:300]}")
+    ranks = data.get("ranks") or []
+    if len(ranks) != 1:
+        raise WeightMismatch(f"{url}: {len(ranks)} TP ranks; per-tensor checksums compare only at engine TP 1")
+    return dict(ranks[0]["checksums"])
+
+
+def compare_checksums(trainer: dict[str, str], engine: dict[str, str]) -> list[str]:
+    """Human-readable differences (empty list: identical): missing, unexpected and differing tensors."""
+    problems = [f"{n}: not on the engine" for n in sorted(set(trainer) - set(engine))]
+    problems += [f"{n}: on the engine but never sent" for n in sorted(set(engine) - set(trainer))]
+    problems += [
+        f"{n}: trainer {trainer[n]} != engine {engine[n]}"
+        for n in sorted(set(trainer) & set(engine))
+        if trainer[n] != engine[n]
+    ]
+    return problems
+
+
+def check_engines(engine_urls: list[str], trainer_checksums: dict[str, str]) -> dict[str, float]:
+    """Raise `WeightMismatch` unless every engine holds exactly the trainer's tensors; returns metrics."""
+    with httpx.Client(timeout=120.0) as client:
+        for url in engine_urls:
+            problems = compare_checksums(trainer_checksums, fetch_engine_checksums(url, client=client))
+            if problems:
+                raise WeightMismatch(f"{url}: {len(problems)} tensors differ: " + "; ".join(problems[:5]))
+    logger.info(
+        "weights equal on %d engines (%d tensors, %s)",
+        len(engine_urls),
+        len(trainer_checksums),
+        overall_checksum(trainer_checksums)[:12],
+    )
+    return {
+        "weight_sync/checked_tensors": float(len(trainer_checksums)),
+        "weight_sync/checked_engines": float(len(engine_urls)),
+    }
