@@ -59,6 +59,7 @@ def train(args: Namespace) -> dict:
 
     import ray
 
+    from slime.backends.megatron import checkpoint
     from slime.ray.placement import create_placement_group, init_ray
     from slime.ray.rollout_manager import RolloutManager
     from slime.ray.train_actor import RayTrainGroup
@@ -75,8 +76,17 @@ def train(args: Namespace) -> dict:
         os.makedirs(args.metrics_dir, exist_ok=True)
         with open(os.path.join(args.metrics_dir, "servers.json"), "w") as f:
             json.dump(summary["server_info"], f)  # lets operators (and tests) find the processes while running
+        offload_rollout = args.offload_rollout and not (args.debug_train_only or args.debug_rollout_only)
+        if offload_rollout:
+            ray.get(manager.offload.remote())  # the trainer builds its model on the engines' GPUs next
+        resume = checkpoint.find_checkpoint(args.load)
         actors = RayTrainGroup(args, placement)
-        start = actors.init()
+        start = actors.init(resume[1] if resume else None)
+        if resume is not None:
+            ray.get(manager.load.remote(*resume))  # data source, its buffer, carried-over groups
+            summary["resumed_from"] = resume[0]
+            if args.start_rollout_id is None:
+                start = resume[0] + 1  # also under --debug-rollout-only, where no trainer loads anything
         ray.get(manager.set_train_parallel_config.remote(actors.parallel_config()))
         summary["train_status"] = actors.status()
         sync_weights = not (args.debug_rollout_only or args.debug_train_only)
@@ -85,13 +95,29 @@ def train(args: Namespace) -> dict:
             t0 = time.perf_counter()
             urls = ray.get(manager.begin_weight_sync.remote())
             try:
-                out = actors.update_weights(urls, version)
+                engines = [e for e in ray.get(manager.weight_sync_engines.remote()) if e["url"] in urls]
+                out = actors.update_weights(engines, version)
             finally:
                 ray.get(manager.end_weight_sync.remote())
             return {**out, "time/weight_sync": time.perf_counter() - t0}
 
+        def sync_and_onload(version: int | None) -> dict[str, float]:
+            """Colocated order (spec §1.3): weights memory back, weights in, then KV cache and CUDA graphs."""
+            if offload_rollout:
+                ray.get(manager.onload.remote(["weights"]))
+            out = update_weights(version) if version is not None else {}
+            if offload_rollout:
+                ray.get(manager.onload.remote(["kv_cache", "cuda_graph"]))
+            return out
+
+        def save(rollout_id: int) -> None:
+            tmp = checkpoint.begin_save(args.save, rollout_id)
+            actors.save(tmp, rollout_id)
+            ray.get(manager.save.remote(rollout_id, tmp))
+            checkpoint.finish_save(args.save, rollout_id, {"rollout_id": rollout_id, "time": time.time()})
+
         if sync_weights:
-            update_weights(start)  # engines serve exactly the trainer's weights from the first rollout on
+            sync_and_onload(start)  # engines serve exactly the trainer's weights from the first rollout on
         with progress(args.num_rollout, "rollouts", start=start) as bar:
             for rollout_id in range(start, args.num_rollout):
                 if args.eval_interval and rollout_id % args.eval_interval == 0:
@@ -100,18 +126,26 @@ def train(args: Namespace) -> dict:
                 t0 = time.perf_counter()
                 rank_refs = ray.get(manager.generate.remote(rollout_id))
                 metrics = {"time/rollout": time.perf_counter() - t0}
+                if offload_rollout:
+                    ray.get(manager.offload.remote())
                 if rank_refs is not None:
                     hashes, train_metrics = actors.train(rollout_id, rank_refs)
                     summary["hashes"][rollout_id] = hashes
                     metrics.update(train_metrics)
-                    if sync_weights and (rollout_id + 1) % args.update_weights_interval == 0:
-                        metrics.update(update_weights(rollout_id + 1))
+                if args.save and _should_save(args, rollout_id):
+                    t1 = time.perf_counter()
+                    save(rollout_id)
+                    metrics["time/save"] = time.perf_counter() - t1
                 if args.save_hf and _should_save(args, rollout_id):
                     actors.save_hf(args.save_hf.format(rollout_id=rollout_id))
+                if sync_weights and rank_refs is not None:
+                    due = (rollout_id + 1) % args.update_weights_interval == 0
+                    metrics.update(sync_and_onload(rollout_id + 1 if due else None))
                 summary["metrics"][rollout_id] = metrics
                 tracker.log(metrics, step=rollout_id, kind="train")
                 bar.update(1, **{k: v for k, v in metrics.items() if k in _SHOWN})
         summary["train_status"] = actors.status()
+        summary["offload_events"] = actors.offload_events()
         if args.eval_interval:
             ray.get(manager.eval.remote(args.num_rollout))
     finally:

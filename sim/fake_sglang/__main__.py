@@ -30,6 +30,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="GPUs the engine pretends to span: ranks it takes in a weight-update group",
+    )
     p.add_argument("--served-model-name", default=None)
     # SGLang's names (server_args.py): PD role and the prefill's bootstrap server port.
     p.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default="null")
@@ -75,7 +81,7 @@ async def serve(a: argparse.Namespace) -> None:
         "random_seed": a.random_seed,
         "device": a.device,
         "max_running_requests": a.max_running_requests,
-        "tp_size": 1,
+        "tp_size": a.tp_size,
         "dp_size": 1,
         "fake_engine": a.engine,
         "disaggregation_mode": a.disaggregation_mode,

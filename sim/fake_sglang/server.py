@@ -14,9 +14,11 @@ from typing import Any
 
 from aiohttp import web
 
+from sim.fake_sglang.checker import register_weights_checker
 from sim.fake_sglang.disagg import PDError, PrefillRooms, await_prefill
 from sim.fake_sglang.engine import Engine
 from sim.fake_sglang.protocol import BadRequest, GenRequest, build_response, normalize_generate_body
+from sim.fake_sglang.weight_group import register_weight_group_endpoints
 from sim.fake_sglang.weights import decode_payload
 
 logger = logging.getLogger(__name__)
@@ -367,10 +369,6 @@ def build_app(
              "new_version": engine.weight_version}
         )  # fmt: skip
 
-    async def not_supported(request: web.Request) -> web.Response:
-        msg = f"{request.path} is not supported by fake_sglang on CPU; use /update_weights_from_tensor"
-        return web.json_response({"success": False, "message": msg}, status=400)
-
     async def release_memory(request: web.Request) -> web.Response:
         # http_server.py: release_memory_occupation(ReleaseMemoryOccupationReqInput{tags}) -> 200 empty.
         try:
@@ -413,11 +411,13 @@ def build_app(
     r.add_post("/update_weights_from_tensor", update_weights_from_tensor)
     r.add_post("/update_weights_from_disk", update_weights_from_disk)
     r.add_post("/update_weight_version", update_weight_version)
-    for path in ("/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group"):
-        r.add_post(path, not_supported)
+    # /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group and the
+    # /begin_weight_update … /end_weight_update session (weight_group.py)
+    register_weight_group_endpoints(app, engine, state, int(server_args.get("tp_size") or 1))
     r.add_route("*", "/release_memory_occupation", release_memory)
     r.add_route("*", "/resume_memory_occupation", resume_memory)
     r.add_post("/_fault", fault)
+    register_weights_checker(app, engine)  # GET/POST /weights_checker (http_server.py: check_weights)
 
     async def on_cleanup(_app: web.Application) -> None:
         log.close()

@@ -7,6 +7,7 @@ router: rollouts are read from the dump instead.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -97,6 +98,41 @@ class RolloutManager:
         if servers is not None:
             servers.resume_health_monitor()
 
+    def weight_sync_engines(self) -> list[dict[str, Any]]:
+        """`{"url", "num_gpus"}` of every live engine that receives weights: the distributed sync gives each
+        engine `num_gpus` ranks of its process group (heterogeneous engine sizes, spec §1.5)."""
+        servers = getattr(self, "servers", None)
+        model = servers.config.weight_sync_model if servers is not None else None
+        if model is None:
+            return []
+        gpus = {e.rank: e.num_gpus for e in servers.plan.engines}
+        return [
+            {"url": e["url"], "num_gpus": gpus[e["rank"]]}
+            for e in servers.info()["engines"]
+            if e["model"] == model.name and e["alive"]
+        ]
+
+    # ---- colocated offload (spec §1.6) ----------------------------------------------------------------------
+    def _offloaded_engines(self) -> list[Any]:
+        servers = getattr(self, "servers", None)
+        return servers.engine_handles() if servers is not None else []
+
+    def offload(self) -> None:
+        """Free the engines' GPU memory for training: flush, then release every tag (weights, KV, graphs)."""
+        engines = self._offloaded_engines()
+        if engines:
+            servers = self.servers
+            servers.pause_health_monitor()  # released engines cannot answer /health_generate
+            ray.get([e.release_memory_occupation.remote() for e in engines])
+
+    def onload(self, tags: list[str] | None = None) -> None:
+        """Re-occupy engine memory: `["weights"]` before the weight sync, then `["kv_cache", "cuda_graph"]`."""
+        engines = self._offloaded_engines()
+        if engines:
+            ray.get([e.resume_memory_occupation.remote(tags) for e in engines])
+            if tags is None or "kv_cache" in tags:
+                self.servers.resume_health_monitor()
+
     # ---- rollouts --------------------------------------------------------------------------------------------
     def num_rollout_per_epoch(self) -> int:
         return len(self.data_source) // self.args.rollout_batch_size if self.data_source is not None else 0
@@ -160,13 +196,30 @@ class RolloutManager:
         self.tracker.log(metrics, step=rollout_id, kind="eval")
         return metrics
 
+    # ---- checkpoint: this manager's part lives in <checkpoint dir>/rollout/ ---------------------------------
     def save(self, rollout_id: int, path: str) -> None:
+        """Data-source state (position, counters, buffer) and the carried-over groups, atomically per file."""
+        rollout_dir = os.path.join(path, "rollout")
+        os.makedirs(rollout_dir, exist_ok=True)
         if self.data_source is not None:
-            self.data_source.save(rollout_id, path)
+            self.data_source.save(rollout_id, rollout_dir)
+        carry_path = os.path.join(rollout_dir, f"carry_{rollout_id}.json")
+        tmp = f"{carry_path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self.carry.state_dict(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, carry_path)
 
     def load(self, rollout_id: int, path: str) -> None:
+        rollout_dir = os.path.join(path, "rollout")
         if self.data_source is not None:
-            self.data_source.load(rollout_id, path)
+            self.data_source.load(rollout_id, rollout_dir)
+        carry_path = os.path.join(rollout_dir, f"carry_{rollout_id}.json")
+        if os.path.exists(carry_path):
+            with open(carry_path, encoding="utf-8") as f:
+                self.carry.load_state_dict(json.load(f))
+            logger.info("resumed %d carried-over groups from %s", len(self.carry), carry_path)
 
     def dispose(self) -> None:
         servers = getattr(self, "servers", None)

@@ -4,6 +4,11 @@ Each actor owns one `MegatronTrainer` rank. It also records a content hash of ex
 received per rollout, so a replayed rollout dump can be proven to reach the trainer unchanged. Under
 `--debug-rollout-only` the actors exist (they hold their placement) but return before any process group is
 created (spec §3).
+
+Weight sync has two transports (`--update-weight-mode`, spec §1.5): `tensor` for colocated engines (IPC
+handles over HTTP, `weight_sync.py`) and `distributed` for engines on their own GPUs (a process group per
+pipeline stage, `weight_sync_distributed.py`). With `--offload-train` the trainer sleeps between its own
+phases (`offload.py`): it wakes to train or save and sleeps again, and weight sync runs while it sleeps.
 """
 
 from __future__ import annotations
@@ -45,15 +50,33 @@ class TrainRayActor:
         self.num_samples: dict[int, int] = {}
         self.trainer = None
         self.weight_sync = None
+        self.dist_sync = None
+        self.offloader = None
 
-    def init(self) -> int:
-        """Returns the first rollout id to run (from a checkpoint once checkpointing exists)."""
+    def init(self, load_path: str | None = None) -> int:
+        """Build the trainer, resume from `load_path` if given; returns the first rollout id to run
+        (the checkpoint's rollout + 1, unless --start-rollout-id says otherwise)."""
         start = self.args.start_rollout_id or 0
         if self.args.debug_rollout_only:
             return start  # before any torch.distributed call: inference alone needs no process group
+        from slime.backends.megatron.offload import TrainOffloader
         from slime.backends.megatron.trainer import MegatronTrainer
 
-        self.trainer = MegatronTrainer(self.args, self.rank, self.world_size, self.master_addr, self.master_port)
+        self.offloader = TrainOffloader(bool(self.args.offload_train))
+        with self.offloader.memory_region():  # with torch_memory_saver: everything the trainer allocates pauses
+            self.trainer = MegatronTrainer(self.args, self.rank, self.world_size, self.master_addr, self.master_port)
+            if self.offloader.enabled:
+                from slime.backends.megatron.checkpoint import allocate_optimizer_state
+
+                allocate_optimizer_state(self.trainer.optimizer)  # Adam's moments, else created after the region
+        self.trainer.offloader = self.offloader
+        if load_path:
+            from slime.backends.megatron.checkpoint import load_trainer_state
+
+            meta = load_trainer_state(self.trainer, load_path)
+            if self.args.start_rollout_id is None:
+                start = int(meta["rollout_id"]) + 1
+        self.offloader.sleep(self.trainer.model)
         return start
 
     def status(self) -> dict[str, Any]:
@@ -76,16 +99,33 @@ class TrainRayActor:
         logger.info(
             "rank %d rollout %d: %d samples, hash %s", self.rank, rollout_id, self.num_samples[rollout_id], digest[:12]
         )
-        return digest, self.trainer.train(rollout_id, data)
+        self.offloader.wake_up(self.trainer.model)
+        metrics = self.trainer.train(rollout_id, data)
+        self.offloader.sleep(self.trainer.model)
+        return digest, metrics
 
-    def update_weights(self, engine_urls: list[str], weight_version: int) -> dict[str, float]:
-        """Every rank exports (a TP collective); the sender rank of each stage pushes to the engines."""
-        if self.args.debug_rollout_only or not engine_urls:
+    def update_weights(self, engines: list[dict[str, Any]], weight_version: int) -> dict[str, float]:
+        """Every rank exports (a TP collective); the sender rank of each stage pushes to the engines.
+
+        `engines`: `{"url", "num_gpus"}` of each receiving engine. Runs while the trainer sleeps (offload).
+        """
+        if self.args.debug_rollout_only or not engines:
             return {}
         from slime.backends.megatron.initialize import run_custom_megatron_init
-        from slime.backends.megatron.weight_sync import TensorWeightSync
 
         run_custom_megatron_init(self.args)
+        self.offloader.note("update_weights")
+        if self.args.update_weight_mode == "distributed":
+            out = self._update_weights_distributed(engines, weight_version)
+        else:
+            out = self._update_weights_tensor([e["url"] for e in engines], weight_version)
+        if self.args.check_weight_update_equal:
+            out.update(self._check_weights([e["url"] for e in engines]))
+        return out
+
+    def _update_weights_tensor(self, engine_urls: list[str], weight_version: int) -> dict[str, float]:
+        from slime.backends.megatron.weight_sync import TensorWeightSync
+
         bucket_bytes = self.args.update_weight_buffer_size
         buckets = self.trainer.export_hf(bucket_bytes)
         if not self.trainer.is_weight_sender():
@@ -97,6 +137,73 @@ class TrainRayActor:
         named = (item for bucket in buckets for item in bucket)
         return self.weight_sync.sync(engine_urls, named, weight_version)
 
+    def _update_weights_distributed(self, engines: list[dict[str, Any]], weight_version: int) -> dict[str, float]:
+        """Rank 0 pauses the engines and opens their weight-update session once; each stage's sender then
+        broadcasts its layers over its own group; rank 0 closes the session when every stage is done."""
+        import torch.distributed as dist
+
+        from slime.backends.megatron.weight_sync_distributed import (
+            DistributedWeightSync,
+            EngineSession,
+            EngineTarget,
+        )
+
+        targets = [EngineTarget(e["url"], int(e.get("num_gpus") or 1)) for e in engines]
+        session = EngineSession([t.url for t in targets]) if dist.get_rank() == 0 else None
+        if session is not None:
+            session.begin()
+        dist.barrier()
+        bucket_bytes = self.args.update_weight_buffer_size
+        buckets = self.trainer.export_hf(bucket_bytes)
+        out: dict[str, float] = {}
+        if self.trainer.is_weight_sender():
+            if self.dist_sync is None:
+                self.dist_sync = DistributedWeightSync(
+                    pp_rank=self.trainer.ps.rank("pp"),
+                    master_address=_node_ip(),
+                    backend=self.args.distributed_backend,
+                    bucket_bytes=bucket_bytes,
+                    timeout_s=60.0 * (self.args.distributed_timeout_minutes or 10),
+                )
+            self.dist_sync.connect(targets)
+            out = self.dist_sync.send((item for bucket in buckets for item in bucket), weight_version)
+        else:
+            for _ in buckets:  # take part in the TP gathers only
+                pass
+        dist.barrier()
+        if session is not None:
+            session.end()
+        return out
+
+    def _check_weights(self, engine_urls: list[str]) -> dict[str, float]:
+        """`--check-weight-update-equal`: every engine's per-tensor checksums equal the trainer's (all stages)."""
+        import torch.distributed as dist
+
+        from slime.backends.megatron.weight_hash import check_engines, trainer_weight_checksums
+
+        sums = trainer_weight_checksums(self.trainer, self.args.update_weight_buffer_size)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, sums)
+        if dist.get_rank() != 0:
+            return {}
+        merged = {k: v for part in gathered if part for k, v in part.items()}
+        return check_engines(engine_urls, merged)
+
+    def save(self, path: str, rollout_id: int) -> None:
+        """This rank's shard of the checkpoint (a collective: every rank calls it)."""
+        if self.trainer is None:
+            return
+        from slime.backends.megatron.checkpoint import save_trainer_state
+        from slime.backends.megatron.initialize import run_custom_megatron_init
+
+        run_custom_megatron_init(self.args)
+        self.offloader.wake_up(self.trainer.model)
+        save_trainer_state(self.trainer, path, rollout_id)
+        self.offloader.sleep(self.trainer.model)
+
+    def offload_events(self) -> list[tuple[float, str]]:
+        return list(self.offloader.events) if self.offloader is not None else []
+
     def get_hashes(self) -> dict[int, str]:
         return dict(self.hashes)
 
@@ -105,7 +212,9 @@ class TrainRayActor:
             from slime.backends.megatron.initialize import run_custom_megatron_init
 
             run_custom_megatron_init(self.args)
+            self.offloader.wake_up(self.trainer.model)
             self.trainer.save_hf(path)
+            self.offloader.sleep(self.trainer.model)
 
     def parallel_config(self) -> dict[str, int]:
         if self.trainer is None:  # --debug-rollout-only: nothing trains, any layout will do
@@ -118,6 +227,14 @@ class TrainRayActor:
             "vpp_size": self.args.virtual_pipeline_model_parallel_size or 1,
             "microbatch_group_size_per_vp_stage": self.args.microbatch_group_size_per_vp_stage,
         }
+
+
+def _node_ip() -> str:
+    """This node's address for the weight-update group's rendezvous (engines may sit on other nodes)."""
+    try:
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray (tests drive the actor class directly)
+        return "127.0.0.1"
 
 
 def _free_port() -> int:
@@ -143,8 +260,8 @@ class RayTrainGroup:
             for i in range(n)
         ]
 
-    def init(self) -> int:
-        starts = ray.get([a.init.remote() for a in self.actors])
+    def init(self, load_path: str | None = None) -> int:
+        starts = ray.get([a.init.remote(load_path) for a in self.actors])
         return starts[0]
 
     def train(self, rollout_id: int, rank_data_refs: list[Any]) -> tuple[list[str | None], dict[str, float]]:
@@ -152,8 +269,8 @@ class RayTrainGroup:
         out = ray.get([a.train.remote(rollout_id, rank_data_refs) for a in self.actors])
         return [h for h, _ in out], out[0][1]
 
-    def update_weights(self, engine_urls: list[str], weight_version: int) -> dict[str, float]:
-        out = ray.get([a.update_weights.remote(engine_urls, weight_version) for a in self.actors])
+    def update_weights(self, engines: list[dict[str, Any]], weight_version: int) -> dict[str, float]:
+        out = ray.get([a.update_weights.remote(engines, weight_version) for a in self.actors])
         merged: dict[str, float] = {}
         for m in out:
             merged.update(m)
@@ -164,6 +281,13 @@ class RayTrainGroup:
 
     def save_hf(self, path: str) -> None:
         ray.get([a.save_hf.remote(path) for a in self.actors])
+
+    def save(self, path: str, rollout_id: int) -> None:
+        ray.get([a.save.remote(path, rollout_id) for a in self.actors])
+
+    def offload_events(self) -> list[tuple[float, str]]:
+        """Rank 0's sleep / wake_up / update_weights calls, with times (the offload protocol's train side)."""
+        return ray.get(self.actors[0].offload_events.remote())
 
     def get_hashes(self) -> list[dict[int, str]]:
         return ray.get([a.get_hashes.remote() for a in self.actors])

@@ -241,16 +241,41 @@ def _add_megatron_style(p: argparse.ArgumentParser) -> None:
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
-    g.add_argument("--load", default=None)
-    g.add_argument("--save", default=None)
+    g.add_argument(
+        "--use-distributed-optimizer",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="shard optimizer state over DP (default: on with CUDA; on CPU it needs the shim's opt-in)",
+    )
+    g.add_argument("--load", default=None, help="checkpoint dir to resume from (no tracker file there: start fresh)")
+    g.add_argument("--save", default=None, help="checkpoint dir: iter_XXXXXXX/ per save, tracker file written last")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--no-save-optim", action="store_true")
-    g.add_argument("--save-hf", default=None)
+    g.add_argument("--no-load-optim", action="store_true", help="resume model weights only (fresh optimizer)")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument(
+        "--dist-ckpt-optim-fully-reshardable",
+        action="store_true",
+        help="distributed optimizer: save a canonical per-parameter state (reshardable in TP/PP too; gathers on DP 0)",
+    )
+    g.add_argument("--save-hf", default=None, help="HF export dir per save; may contain {rollout_id}")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None)
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
     g.add_argument("--update-weight-buffer-size", type=int, default=512 * 1024**2, help="bytes per weight bucket")
     g.add_argument("--update-weights-interval", type=int, default=1)
+    g.add_argument(
+        "--update-weight-mode",
+        choices=["auto", "tensor", "distributed"],
+        default="auto",
+        help="weight sync transport: tensor (colocated, CUDA IPC / shared memory) or distributed (a process group "
+        "with the engines, NCCL on GPU, gloo on CPU); auto = tensor with --colocate, else distributed",
+    )
+    g.add_argument(
+        "--check-weight-update-equal",
+        action="store_true",
+        help="after every sync, compare each engine's weight checksum with the trainer's (slow; for debugging)",
+    )
     g.add_argument("--custom-megatron-init-path", default=None)
     g.add_argument("--custom-megatron-before-log-prob-hook-path", default=None)
     g.add_argument("--custom-megatron-before-train-step-hook-path", default=None)
@@ -409,6 +434,15 @@ def validate_args(args: argparse.Namespace) -> None:
             args.rollout_num_gpus = actor_gpus
     args.offload_train = bool(args.offload_train)
     args.offload_rollout = bool(args.offload_rollout)
+    if args.update_weight_mode == "auto":
+        # colocated engines share the trainer's GPUs: hand over IPC handles; otherwise broadcast to their GPUs
+        args.update_weight_mode = "tensor" if args.colocate else "distributed"
+    _require(
+        not (args.colocate and args.update_weight_mode == "distributed"),
+        "--update-weight-mode distributed needs engines on their own GPUs; with --colocate use tensor (the default)",
+    )
+    if args.save_interval is not None:
+        _require(args.save_interval > 0, "--save-interval must be > 0")
     if not args.debug_train_only and not args.rollout_external:
         _require(
             args.rollout_num_gpus is not None,

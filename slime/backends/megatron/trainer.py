@@ -58,7 +58,10 @@ class MegatronTrainer:
             model = model.cuda()
         load_hf_weights(model, args.hf_checkpoint, self.spec, self.ps)
         config = model.config
-        distributed_optimizer = torch.cuda.is_available()  # the CPU path needs a global hack (design.md §4)
+        # On CPU the distributed optimizer needs the shim's Tensor.type() opt-in (dependency-probes §2.3).
+        distributed_optimizer = args.use_distributed_optimizer
+        if distributed_optimizer is None:
+            distributed_optimizer = torch.cuda.is_available()
         self.model = DistributedDataParallel(
             config=config,
             ddp_config=DistributedDataParallelConfig(
@@ -112,6 +115,7 @@ class MegatronTrainer:
                 load_hf_weights(model, args.hf_checkpoint, self.spec, self.ps)
         self.weight_version = 0
         self.train_step_id = 0
+        self.offloader: Any = None  # set by the train actor (offload.py); None: never asleep
 
     # ---- forward helpers ------------------------------------------------------------------------------------
     def _forward_logits(self, mb: dict[str, Any]) -> tuple[torch.Tensor, Any]:
@@ -189,6 +193,9 @@ class MegatronTrainer:
         for mb in mbs:
             self._prepare_batch(mb)
         metrics: dict[str, float] = {}
+        if "rollout_log_probs" in data and (not args.use_rollout_logprobs or args.get_mismatch_metrics):
+            # the mean train_rollout_logprob_abs_diff hides one wrong position; the max over trained tokens does not
+            metrics["train/train_rollout_logprob_abs_diff_max"] = self._max_rollout_logprob_diff(mbs)
         step_start = 0
         t1 = time.perf_counter()
         num_tokens = 0
@@ -207,6 +214,16 @@ class MegatronTrainer:
         metrics["train/steps"] = float(len(data["num_microbatches"]))
         metrics["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
         return metrics
+
+    def _max_rollout_logprob_diff(self, mbs: list[dict[str, Any]]) -> float:
+        """max |ℓ_recomputed − ℓ_engine| over loss-masked response tokens of every rank (0 when there are none)."""
+        m = torch.zeros((), dtype=torch.float64, device=_device())
+        for mb in mbs:
+            for lp, roll, mask in zip(mb.get("log_probs", []), mb["rollout_log_probs"], mb["loss_masks"], strict=True):
+                diff = (lp.to(torch.float64) - roll.to(lp.device, torch.float64)).abs() * (mask.to(lp.device) > 0)
+                if diff.numel():
+                    m = torch.maximum(m, diff.max())
+        return float(self.ps.all_reduce(m, "max", "dp_cp"))
 
     def _prepare_batch(self, mb: dict[str, Any]) -> None:
         """Turn one micro-batch's lists into the tensors `loss_function` expects (CP=1: responses whole)."""
@@ -280,6 +297,14 @@ class MegatronTrainer:
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=global_batch_size)
         self.train_step_id += 1
+        if self.ps.size("dp_cp") > 1:
+            # A rank whose micro-batches were all empty has no metric names; the all-reduce needs the same keys.
+            import torch.distributed as dist
+
+            names: list[Any] = [None] * self.ps.size("dp_cp")
+            dist.all_gather_object(names, sorted(sums), group=self.ps.group("dp_cp"))
+            for k in {k for ks in names for k in ks}:
+                sums.setdefault(k, 0.0)
         metrics = reduce_train_metrics(
             sums, self.ps, global_batch_size=global_batch_size, per_token=per_token, local_num_tokens=local_tokens
         )
@@ -297,7 +322,26 @@ class MegatronTrainer:
     def export_hf(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """HF-named full tensors of this stage, in buckets (a TP collective: every TP rank must iterate)."""
         dtype = torch.bfloat16 if self.args.bf16 else None
+        if self.offloader is not None and self.offloader.asleep and self.offloader.param_backup is not None:
+            yield from self._export_from_host_copy(bucket_bytes, dtype)  # device memory is paused (--offload-train)
+            return
         yield from export_hf_weights([self.model], self.spec, self.ps, bucket_bytes=bucket_bytes, dtype=dtype)
+
+    def _export_from_host_copy(self, bucket_bytes: int, dtype: torch.dtype | None):
+        from slime.backends.megatron.hf_weights import iter_hf_tensors, layer_offset
+
+        named = self.offloader.named_params_for_export(unwrap_model(self.model))
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, t in iter_hf_tensors(named, self.spec, self.ps, layer_offset(self.model)):
+            t = t.to(dtype) if dtype is not None else t
+            if bucket and size + t.numel() * t.element_size() > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, t))
+            size += t.numel() * t.element_size()
+        if bucket:
+            yield bucket
 
     def save_hf(self, path: str) -> None:
         """`--save-hf`: an HF checkpoint `transformers` loads (config + tokenizer copied from --hf-checkpoint).

@@ -127,8 +127,18 @@ class SGLangEngine:
         except httpx.HTTPError:
             return False
 
-    def flush_cache(self) -> Any:
-        return self._post("/flush_cache")
+    def flush_cache(self, timeout: float = 60.0) -> None:
+        """SGLang refuses to flush (HTTP 400) while requests are running or waiting: retry until it is idle."""
+        deadline = time.monotonic() + timeout
+        while True:
+            r = httpx.post(f"{self.url}/flush_cache", timeout=timeout)
+            if r.status_code == 200:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"engine {self.rank}: /flush_cache still refused after {timeout:.0f}s: {r.text[:200]}"
+                )
+            time.sleep(0.5)
 
     def pause_generation(self) -> Any:
         return self._post("/pause_generation")
@@ -144,6 +154,35 @@ class SGLangEngine:
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> Any:
         return self._post("/update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version})
+
+    # ---- distributed weight update (io_struct.py of SGLang 0.5.23; see weight_sync_distributed.py) ---------
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+        backend: str = "nccl",
+    ) -> Any:  # fmt: skip
+        body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+                "world_size": world_size, "group_name": group_name, "backend": backend}  # fmt: skip
+        return self._post("/init_weights_update_group", body)
+
+    def destroy_weights_update_group(self, group_name: str) -> Any:
+        return self._post("/destroy_weights_update_group", {"group_name": group_name})
+
+    def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+        weight_version: str | None = None, load_format: str | None = None, flush_cache: bool = False,
+    ) -> Any:  # fmt: skip
+        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                "weight_version": weight_version, "load_format": load_format, "flush_cache": flush_cache}  # fmt: skip
+        return self._post("/update_weights_from_distributed", body)
+
+    def begin_weight_update(self) -> Any:
+        return self._post("/begin_weight_update", {"selector": "all"})
+
+    def end_weight_update(self) -> Any:
+        return self._post("/end_weight_update")
+
+    def check_weights(self, action: str = "checksum") -> Any:
+        return self._post("/weights_checker", {"action": action})
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> Any:
         self.flush_cache()

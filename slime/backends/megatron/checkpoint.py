@@ -1,0 +1,296 @@
+"""Checkpoints for exact resume: `--save/--load/--save-interval/--no-save-optim` (spec §1.3, §9.6).
+
+Layout under `--save` (Megatron's names, so tooling recognises it)::
+
+    latest_checkpointed_iteration.txt   the rollout id of the newest complete checkpoint; written LAST
+    iter_0000007/                       one complete checkpoint (rollout 7 done)
+        metadata.json common.pt *.distcp   megatron.core.dist_checkpointing (torch_dist): model, optimizer,
+                                            RNG states; common.pt holds the LR scheduler and the `slime` dict
+        rollout/                        the RolloutManager's part: data-source state (epoch, offset, counters,
+                                        buffer) and the carried-over groups (`carry_7.json`)
+        slime_checkpoint.json           written by the driver when every part is in; marks the dir complete
+    iter_0000008.tmp/                   a save in progress (or killed): never read, removed by the next save
+
+Why sharded (`dist_checkpointing`): every rank writes only its shard, and a checkpoint saved at one DP size
+loads at another — the model is replicated over DP, and the distributed optimizer's state is saved in the
+`dp_reshardable` layout (or, with `--dist-ckpt-optim-fully-reshardable`, per parameter, which also allows a TP/PP
+change). Why the write-then-rename dance: a run killed during a save must resume from the previous
+checkpoint, so nothing under `iter_*` is visible until it is complete, and the tracker moves only after the
+rename. A resume starts at `rollout_id + 1` with the same data, RNG and optimizer state, so with per-sample
+sampling seeds it regenerates the rollout the lost run would have produced and takes the same step.
+
+Three megatron-core 0.16.1 quirks are handled here. Without TransformerEngine/Apex (torch's own Adam) the
+distributed optimizer cannot build a state dict before its first step (no `step` in the state yet), and its
+loader shares one `step` tensor between all parameters and then overwrites it with the loading rank's own
+value; steps are therefore saved in the common state and restored per param. And with `--bf16` its map from
+model params to optimizer slots is wrong for groups mixing fp32 and bf16 params (`_fix_group_index_map`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+MARKER = "slime_checkpoint.json"
+FORMAT_VERSION = 1
+
+
+# ---- directory protocol (driver side; no megatron import) ---------------------------------------------------
+def iter_dir(root: str, rollout_id: int) -> str:
+    return os.path.join(root, f"iter_{rollout_id:07d}")
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def read_tracker(root: str | None) -> int | None:
+    """The rollout id in `root`'s tracker file, or None when there is no (readable) tracker."""
+    if not root:
+        return None
+    path = os.path.join(root, TRACKER)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return int(f.read().strip())
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        raise RuntimeError(f"{path} is corrupt ({e}); point --load at a valid checkpoint dir") from e
+
+
+def find_checkpoint(root: str | None) -> tuple[int, str] | None:
+    """(rollout id, dir) of the checkpoint to resume from, or None (no tracker: start fresh, as Megatron does)."""
+    rollout_id = read_tracker(root)
+    if rollout_id is None:
+        if root:
+            logger.info("no %s in %s: starting from --hf-checkpoint", TRACKER, root)
+        return None
+    path = iter_dir(root, rollout_id)
+    if not os.path.isfile(os.path.join(path, MARKER)):
+        raise RuntimeError(f"{root}/{TRACKER} names rollout {rollout_id} but {path} is not a complete checkpoint")
+    return rollout_id, path
+
+
+def begin_save(root: str, rollout_id: int) -> str:
+    """Create (empty) `iter_XXXXXXX.tmp` for this save; stale `.tmp` dirs of killed saves are removed."""
+    os.makedirs(root, exist_ok=True)
+    for name in os.listdir(root):
+        if name.startswith("iter_") and name.endswith(".tmp"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    tmp = iter_dir(root, rollout_id) + ".tmp"
+    os.makedirs(tmp)
+    return tmp
+
+
+def finish_save(root: str, rollout_id: int, meta: dict[str, Any]) -> str:
+    """Mark the tmp dir complete, rename it into place, then move the tracker; returns the final dir."""
+    tmp = iter_dir(root, rollout_id) + ".tmp"
+    final = iter_dir(root, rollout_id)
+    _write_atomic(os.path.join(tmp, MARKER), json.dumps({"format_version": FORMAT_VERSION, **meta}, indent=1))
+    if os.path.exists(final):  # re-saving an id (a resumed run passing a save the killed run finished)
+        old = final + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(root)
+    _write_atomic(os.path.join(root, TRACKER), str(rollout_id))
+    logger.info("checkpoint of rollout %d complete: %s", rollout_id, final)
+    return final
+
+
+# ---- trainer state (collective over all training ranks) -----------------------------------------------------
+def _sub_optimizers(optimizer: Any) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _optimizer_steps(optimizer: Any) -> list[float | None]:
+    """The torch-native Adam `step` of each sub-optimizer (all params share it), None where not kept per param."""
+    steps: list[float | None] = []
+    for opt in _sub_optimizers(optimizer):
+        values = {float(st["step"]) for st in opt.optimizer.state.values() if "step" in st}
+        steps.append(values.pop() if len(values) == 1 else None)
+    return steps
+
+
+def allocate_optimizer_state(optimizer: Any) -> None:
+    """Allocate Adam state (zeros, step 0 — what torch's Adam creates lazily at its first step) where none
+    exists yet: a fresh optimizer can then describe itself for loading, and with `--offload-train` the moments
+    land inside the pausable memory region instead of after it."""
+    for opt in _sub_optimizers(optimizer):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                st = inner.state[p]
+                if not st:
+                    st["step"] = torch.tensor(0.0)
+                    st["exp_avg"] = torch.zeros_like(p.data)
+                    st["exp_avg_sq"] = torch.zeros_like(p.data)
+
+
+def _fix_group_index_map(optimizer: Any) -> None:
+    """Make the distributed optimizer's (model param -> group index, order) map match its groups' real order.
+
+    megatron-core 0.16.1 numbers the params of a group in buffer order, but fills the group with the fp32
+    params first and then the fp32 copies of the bf16 ones. The two agree unless a group mixes both kinds —
+    which happens with `--bf16` here, as the local spec's torch norms keep fp32 weights (Megatron-LM wraps the
+    model in Float16Module, so it never sees a mixed group). Only checkpointing reads the map.
+    """
+    for opt in _sub_optimizers(optimizer):
+        if not hasattr(opt, "model_param_group_index_map") or not hasattr(opt, "model_fp32_groups"):
+            continue
+        for gi, (fp32, fp16) in enumerate(zip(opt.model_fp32_groups, opt.model_float16_groups, strict=True)):
+            for order, model_param in enumerate([*fp32, *fp16]):
+                opt.model_param_group_index_map[model_param] = (gi, order)
+
+
+def _restore_steps(optimizer: Any, steps: list[float | None]) -> None:
+    for opt, step in zip(_sub_optimizers(optimizer), steps, strict=False):
+        if step is None:
+            continue
+        for st in opt.optimizer.state.values():
+            if "step" in st:  # one tensor per parameter: torch's Adam increments them in place
+                st["step"] = torch.tensor(step, dtype=st["step"].dtype, device=st["step"].device)
+
+
+def _rng_state() -> dict[str, Any]:
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    return {
+        "random": random.getstate(),
+        "np": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random"])
+    np.random.set_state(state["np"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _optim_metadata(trainer: Any) -> dict[str, Any]:
+    fully = bool(getattr(trainer.args, "dist_ckpt_optim_fully_reshardable", False))
+    return {"distrib_optim_sharding_type": "fully_reshardable" if fully else "dp_reshardable"}
+
+
+def _rng_object(ps: Any, data: Any) -> Any:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    # one RNG state per (pp, tp) position; DP replicas hold equal states and only replica 0 writes it
+    return ShardedObject(
+        "rng_state", data, (ps.size("pp"), ps.size("tp")), (ps.rank("pp"), ps.rank("tp")), replica_id=ps.rank("dp_cp")
+    )
+
+
+def save_trainer_state(trainer: Any, path: str, rollout_id: int) -> None:
+    """Write this rank's shard of the model, optimizer (unless `--no-save-optim`) and RNG state to `path`."""
+    from megatron.core import dist_checkpointing
+
+    from slime.backends.megatron.hf_weights import unwrap_model
+
+    args, ps = trainer.args, trainer.ps
+    save_optim = not getattr(args, "no_save_optim", False)
+    model_sd = unwrap_model(trainer.model).sharded_state_dict()
+    state: dict[str, Any] = {"model": model_sd, "rng_state": _rng_object(ps, _rng_state())}
+    if save_optim:
+        allocate_optimizer_state(trainer.optimizer)  # a save before the first step still describes the state
+        _fix_group_index_map(trainer.optimizer)
+        state["optimizer"] = trainer.optimizer.sharded_state_dict(model_sd, metadata=_optim_metadata(trainer))
+    state["opt_param_scheduler"] = trainer.scheduler.state_dict()
+    state["slime"] = {
+        "format_version": FORMAT_VERSION,
+        "rollout_id": rollout_id,
+        "train_step_id": int(trainer.train_step_id),
+        "optimizer_steps": _optimizer_steps(trainer.optimizer) if save_optim else None,
+        "saved_optim": save_optim,
+        "distributed_optimizer": bool(trainer.optimizer.config.use_distributed_optimizer),
+        "optim_metadata": _optim_metadata(trainer),
+        "parallel": {d: ps.size(d) for d in ("tp", "pp", "dp", "cp", "ep")},
+    }
+    dist_checkpointing.save(state, path)
+    logger.info("rank %d saved its trainer state to %s", ps.global_rank, path)
+
+
+def load_trainer_state(trainer: Any, path: str) -> dict[str, Any]:
+    """Load model, optimizer, LR schedule and RNG states from `path` (any DP size); returns the `slime` dict."""
+    from megatron.core import dist_checkpointing
+
+    from slime.backends.megatron.hf_weights import unwrap_model
+
+    args, ps = trainer.args, trainer.ps
+    common = dist_checkpointing.load_common_state_dict(path)
+    meta = common["slime"]
+    model = unwrap_model(trainer.model)
+    model_sd = model.sharded_state_dict()
+    request: dict[str, Any] = {"model": model_sd}
+    load_optim = meta["saved_optim"] and not getattr(args, "no_load_optim", False)
+    if load_optim:
+        distributed = bool(trainer.optimizer.config.use_distributed_optimizer)
+        if distributed != meta["distributed_optimizer"]:
+            raise RuntimeError(
+                f"{path} holds a {'distributed' if meta['distributed_optimizer'] else 'plain'} optimizer state; "
+                "resume with the same --use-distributed-optimizer setting, or pass --no-load-optim"
+            )
+        allocate_optimizer_state(trainer.optimizer)
+        _fix_group_index_map(trainer.optimizer)
+        request["optimizer"] = trainer.optimizer.sharded_state_dict(
+            model_sd, is_loading=True, metadata=meta["optim_metadata"]
+        )
+    saved_layout = (meta["parallel"]["tp"], meta["parallel"]["pp"])
+    load_rng = not getattr(args, "no_load_rng", False) and saved_layout == (ps.size("tp"), ps.size("pp"))
+    if load_rng:
+        request["rng_state"] = _rng_object(ps, None)
+    state = dist_checkpointing.load(request, path)
+    model.load_state_dict(state["model"], strict=True)
+    if load_optim:
+        with torch.no_grad():  # the distributed optimizer copies into views of parameters that require grad
+            trainer.optimizer.load_state_dict(state["optimizer"])
+        _restore_steps(trainer.optimizer, meta["optimizer_steps"] or [])
+    else:
+        trainer.optimizer.reload_model_params()  # main (fp32) params follow the loaded model params
+    trainer.scheduler.load_state_dict(state["opt_param_scheduler"])
+    if load_rng:
+        _set_rng_state(state["rng_state"])
+    else:
+        logger.warning("RNG states not restored (--no-load-rng or a TP/PP change): resume is not bit-exact")
+    trainer.train_step_id = int(meta["train_step_id"])
+    logger.info(
+        "rank %d resumed from %s (rollout %d, step %d, optimizer %s)",
+        ps.global_rank, path, meta["rollout_id"], trainer.train_step_id, "loaded" if load_optim else "fresh",
+    )  # fmt: skip
+    return meta
