@@ -21,6 +21,7 @@ import pytest
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cluster")]
 
+CPU_SHIM = "sim.fake_megatron.cpu_shim.apply"
 ROOT = Path(__file__).resolve().parents[2]
 EX = ROOT / "examples" / "sglang_config"
 BATCH, N_SAMPLES = 4, 2
@@ -46,7 +47,9 @@ class Tree:
                 return
             for p in procs:
                 try:
-                    self.cmdlines[p.pid] = " ".join(p.cmdline())
+                    cmd = " ".join(p.cmdline())
+                    if cmd:  # a zombie's cmdline reads empty: keep what the live process showed
+                        self.cmdlines[p.pid] = cmd
                     self.names[p.pid] = p.name()
                     ports = {c.laddr.port for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN}
                     self.listeners.setdefault(p.pid, set()).update(ports)
@@ -143,7 +146,8 @@ def test_example_topology_rollout_then_train_only(tmp_path):
         assert s["reward"] == (1.0 if "4321" in s["response"] else 0.25)
 
     # --debug-train-only (replaying the dump): not one engine or router process, no listener but Ray's
-    replay, tree = run_slime([*base, "--load-debug-rollout-data", str(dump)], tmp_path / "train_only")
+    replay_flags = ["--load-debug-rollout-data", str(dump), "--custom-megatron-init-path", CPU_SHIM]
+    replay, tree = run_slime([*base, *replay_flags], tmp_path / "train_only")
     assert replay["server_info"]["engine_pids"] == [] and replay["server_info"]["router_pid"] is None
     assert tree.cmdlines and tree.count("sglang") == 0 and tree.count("fake_sglang") == 0
     ray_words = ("ray", "gcs_server", "raylet", "default_worker")

@@ -1,6 +1,8 @@
 """Colocated weight sync through `/update_weights_from_tensor` (spec §1.5), as SGLang 0.5.23 receives it.
 
-Order on every engine of the updatable model: pause → flush → load bucket by bucket → continue. Tensors are
+Order on every engine of the updatable model: pause → flush → begin_weight_update → load bucket by bucket →
+end_weight_update → flush → continue (SGLang 0.5.23 refuses loads outside a begin/end weight-update session:
+managers/scheduler_components/weight_updater.py). Tensors are
 flattened into one 1-D bucket per dtype of at most `--update-weight-buffer-size` bytes and pickled with
 torch's multiprocessing reductions: on CPU the storage moves to named shared memory (`file_system`
 strategy) and only the name travels; on GPU the same pickling yields CUDA IPC handles. The sender keeps each
@@ -92,11 +94,12 @@ class TensorWeightSync:
     def sync(
         self, engine_urls: list[str], named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int
     ) -> dict[str, float]:
-        """pause → flush → load → continue on every engine; returns bytes/buckets sent."""
+        """pause → flush → begin → load → end → flush → continue on every engine; returns bytes/buckets sent."""
         for url in engine_urls:
             self._post(url, "/pause_generation")
         for url in engine_urls:
             self._post(url, "/flush_cache")
+            self._post(url, "/begin_weight_update", {"selector": "all"})
         num_bytes = num_buckets = 0
         for bucket in flattened_buckets(named_tensors, self.bucket_bytes):
             payload = serialize(bucket)
@@ -114,6 +117,7 @@ class TensorWeightSync:
             num_buckets += 1
             del bucket, payload  # shared storage may be released only after every engine copied it
         for url in engine_urls:
+            self._post(url, "/end_weight_update")
             self._post(url, "/flush_cache")
             self._post(url, "/continue_generation")
         logger.info("weight version %d: %d buckets, %.1f MiB to %d engines", weight_version, num_buckets,

@@ -70,8 +70,10 @@ def _slime_settings(
     return {k: v for k, v in s.items() if v is not None}
 
 
-def _sim_argv(args: argparse.Namespace, host: str, port: int, rank: int, model_path: str | None) -> list[str]:
-    """The fixed CLI of sim/fake_sglang (written by another module; slime only starts it as a command)."""
+def _sim_argv(
+    args: argparse.Namespace, host: str, port: int, rank: int, model_path: str | None, num_gpus: int = 1
+) -> list[str]:
+    """The CLI of sim/fake_sglang; `--tp-size` makes a k-GPU fake join weight-sync groups as k ranks."""
     import torch
 
     engine = args.sim_engine
@@ -84,6 +86,8 @@ def _sim_argv(args: argparse.Namespace, host: str, port: int, rank: int, model_p
     if getattr(args, "sim_request_log_dir", None):
         argv += ["--request-log", os.path.join(args.sim_request_log_dir, f"engine_{rank}.jsonl")]
     argv += ["--device", "cuda" if torch.cuda.is_available() else "cpu"]
+    if num_gpus > 1:
+        argv += ["--tp-size", str(num_gpus)]
     return argv
 
 
@@ -105,7 +109,7 @@ def build_server_argv(
 ) -> list[str]:
     """The command line of engine `rank`; `overrides` (a --sglang-config group's) win over everything."""
     if backend == "sim":
-        return _sim_argv(args, host, port, rank, model_path)
+        return _sim_argv(args, host, port, rank, model_path, num_gpus)
     if backend != "sglang":
         raise ValueError(f"unknown backend {backend!r}")
     if worker_type not in WORKER_TYPES:
