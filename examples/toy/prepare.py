@@ -1,6 +1,7 @@
 """Build everything the toy quick start needs, offline: a tiny checkpoint and a digit-reversal dataset.
 
     python -m examples.toy.prepare --out DIR [--num-train 512 --num-eval 64 --seed 0] [--skip-model]
+        [--hidden-size 64 --num-layers 2 --num-heads 4 --num-kv-heads 2 --intermediate-size 128]
 
 writes `DIR/model` (tiny Qwen2 + tokenizer + chat template, random init) and `DIR/data/{train,eval}.jsonl`.
 Why this task: the reward is verifiable by a few lines of code, answers are short (6-8 digits, so CPU rollouts
@@ -21,6 +22,8 @@ logger = logging.getLogger(__name__)
 
 PROMPT_PREFIX = "Reverse the digits: "
 MIN_LEN, MAX_LEN = 6, 8
+# Shape options forwarded to `sim.tiny_checkpoint.build_tiny_checkpoint` (unset: its defaults).
+_MODEL_FLAGS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size")
 
 
 def _digit_string(rng: random.Random) -> str:
@@ -62,9 +65,19 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def prepare(
-    out: str | Path, num_train: int = 512, num_eval: int = 64, seed: int = 0, build_model: bool = True
+    out: str | Path,
+    num_train: int = 512,
+    num_eval: int = 64,
+    seed: int = 0,
+    build_model: bool = True,
+    model_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Path]:
-    """Write the dataset (and the tiny checkpoint) under `out`; returns the paths a run needs."""
+    """Write the dataset (and the tiny checkpoint) under `out`; returns the paths a run needs.
+
+    `model_kwargs` (hidden_size, num_layers, ...) reshape the random-init model: the default 64-wide 2-layer
+    model is the cheapest that runs, while the learning benchmark (`bench/toy_learning.py`) wants one that
+    learns the task in a few minutes of CPU time.
+    """
     out = Path(out)
     train, evaluation = make_splits(num_train, num_eval, seed)
     paths = {"train": out / "data" / "train.jsonl", "eval": out / "data" / "eval.jsonl", "model": out / "model"}
@@ -74,7 +87,9 @@ def prepare(
         # sim/ is the offline stand-in for a model download; examples may use it, slime/ never does.
         from sim.tiny_checkpoint import build_tiny_checkpoint
 
-        build_tiny_checkpoint(paths["model"], seed=seed, extra_corpus=[PROMPT_PREFIX + "4817263"])
+        build_tiny_checkpoint(
+            paths["model"], seed=seed, extra_corpus=[PROMPT_PREFIX + "4817263"], **(model_kwargs or {})
+        )
     logger.info("toy task ready: %d train / %d eval rows in %s", len(train), len(evaluation), out / "data")
     return paths
 
@@ -86,11 +101,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-eval", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-model", action="store_true", help="only write the dataset")
+    m = p.add_argument_group("model shape (defaults: the tiny quick-start model)")
+    for flag in _MODEL_FLAGS:
+        m.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None)
     a = p.parse_args(argv)
     if a.num_train < 0 or a.num_eval < 0:
         p.error("--num-train and --num-eval must be >= 0")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    paths = prepare(a.out, a.num_train, a.num_eval, a.seed, build_model=not a.skip_model)
+    model_kwargs = {k: getattr(a, k) for k in _MODEL_FLAGS if getattr(a, k) is not None}
+    paths = prepare(a.out, a.num_train, a.num_eval, a.seed, build_model=not a.skip_model, model_kwargs=model_kwargs)
     for name, path in paths.items():
         print(f"{name}: {path}")
 

@@ -1,0 +1,348 @@
+"""Issue #4 acceptance, "it learns by RL": SFT warm-up → GRPO on the toy task, against two controls.
+
+    .venv/bin/python -m bench.toy_learning [--workdir runs/toy_learning] [--rl-max-steps 150] [...]
+
+Every phase is the real `slime train` CLI (megatron-core on CPU through the shim, fake `hf` engines behind the
+real router, weight sync after every rollout), run as a subprocess whose `metrics.jsonl` is watched:
+
+1. **SFT** (`--loss-type sft_loss`, labels as responses) from the random-init checkpoint, held-out eval and an
+   HF checkpoint every `--sft-eval-interval` steps; stopped at the first eval inside `--band` (default
+   [0.5, 0.6]), whose checkpoint is the RL start.
+2. **GRPO** from that checkpoint (`--n-samples-per-prompt`, `--rollout-temperature 1.0`), stopped at the first
+   eval ≥ `--target` (or after `--rl-max-steps`).
+3. **Controls** for the same number of steps from the same checkpoint, identical flags except: `--lr 0`;
+   `--rm-type random` (no `--custom-rm-path`: its eval rows are scored by `bench/toy_reward_server.py` through
+   `remote_rm`, so every run reports the same toy reward).
+
+Eval is always at temperature 1.0 on the held-out prompts. Eval sampling seeds depend only on
+(`--rollout-seed`, rollout id, sample index), so the three RL runs draw identical eval seeds at equal steps:
+step 0 is the same number in all three, and a flat control differs from it only by sampling noise.
+
+Writes `--out-json` (curves, wall times, chosen checkpoint, verdicts), draws `--png`, prints a table. A bench,
+not a test: it never asserts; on 2 shared cores wall times are indicative.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+logger = logging.getLogger("bench.toy_learning")
+RM_KEY = "bench_rm"  # metadata key only the random control reads (see bench/toy_reward_server.py)
+
+
+def read_metrics(path: Path, kind: str) -> list[dict[str, Any]]:
+    """Records of one kind from a metrics.jsonl that may still be being written (a torn last line is skipped)."""
+    out = []
+    if not path.is_file():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec.get("kind") == kind:
+            out.append(rec)
+    return out
+
+
+def eval_curve(metrics_dir: Path, name: str = "toy") -> list[tuple[int, float]]:
+    key = f"eval/{name}"
+    return [(r["step"], float(r["metrics"][key])) for r in read_metrics(metrics_dir / "metrics.jsonl", "eval")]
+
+
+def run_slime(flags: list[str], metrics_dir: Path, stop: Callable[[list[tuple[int, float]]], bool] | None) -> dict:
+    """Run `slime train FLAGS`, stopped (see `_stop_group`) once `stop(eval_curve)` holds; returns wall times."""
+    metrics_dir.mkdir(parents=True, exist_ok=True)
+    (metrics_dir / "metrics.jsonl").unlink(missing_ok=True)
+    cmd = [str(ROOT / ".venv" / "bin" / "slime"), "train", *flags, "--metrics-dir", str(metrics_dir)]
+    if not Path(cmd[0]).exists():
+        cmd[0:1] = [sys.executable, "-m", "slime.cli"]
+    (metrics_dir / "command.txt").write_text(" ".join(cmd) + "\n")
+    t0 = time.perf_counter()
+    stopped_early = False
+    stop_s = None
+    with open(metrics_dir / "train.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            while proc.poll() is None:
+                time.sleep(1.0)
+                if stop is not None and not stopped_early and stop(eval_curve(metrics_dir)):
+                    stopped_early = True
+                    stop_s = time.perf_counter() - t0
+                    _stop_group(proc)
+        except BaseException:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0 and not stopped_early:
+        raise RuntimeError(f"slime train failed (rc={proc.returncode}); see {metrics_dir / 'train.log'}")
+    out = {"wall_s": round(wall, 1), "stopped_early": stopped_early, "returncode": proc.returncode}
+    if stop_s is not None:
+        out["wall_to_stop_s"] = round(stop_s, 1)  # when the condition held; the rest is shutting down
+    return out
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGINT the driver (its `finally` disposes engines and Ray); escalate to the whole process group.
+
+    The driver does not always act on SIGINT while blocked in Ray calls, so after a short grace the group
+    (the driver and the Ray head processes it started; engines follow through their parent-death signal)
+    gets SIGTERM, then SIGKILL. The group is this bench's own child session (start_new_session=True).
+    """
+    for sig, grace in ((signal.SIGINT, 20), (signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            if sig == signal.SIGINT:
+                proc.send_signal(sig)
+            else:
+                os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            logger.warning("slime train still running %d s after %s", grace, signal.Signals(sig).name)
+
+
+def common_flags(a: argparse.Namespace, checkpoint: Path, train: Path) -> list[str]:
+    return [
+        "--hf-checkpoint", str(checkpoint), "--prompt-data", str(train),
+        "--input-key", "input", "--label-key", "label", "--apply-chat-template", "--rollout-shuffle",
+        "--rollout-max-response-len", "12", "--rollout-temperature", "1.0", "--eval-temperature", "1.0",
+        "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1",
+        "--rollout-num-gpus", str(a.rollout_num_gpus), "--rollout-num-gpus-per-engine", "1",
+        "--rollout-engine", "sim", "--sim-engine", "hf",
+        "--custom-megatron-init-path", "sim.fake_megatron.cpu_shim.apply",
+        "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(a.max_tokens_per_gpu),
+        "--seed", str(a.seed), "--no-use-tensorboard",
+    ]  # fmt: skip
+
+
+def rl_flags(a: argparse.Namespace, checkpoint: Path, train: Path, num_rollout: int) -> list[str]:
+    flags = [
+        *common_flags(a, checkpoint, train),
+        "--rollout-batch-size", str(a.rl_batch), "--n-samples-per-prompt", str(a.n_samples),
+        "--global-batch-size", str(a.rl_batch * a.n_samples), "--num-rollout", str(num_rollout),
+        "--eval-interval", str(a.rl_eval_interval), "--advantage-estimator", "grpo",
+        "--n-samples-per-eval-prompt", str(a.n_samples_per_eval_prompt),
+        "--adam-eps", str(a.rl_adam_eps),
+    ]  # fmt: skip
+    if a.kl_loss_coef:
+        flags += ["--use-kl-loss", "--kl-loss-coef", str(a.kl_loss_coef), "--kl-loss-type", "low_var_kl"]
+    return flags
+
+
+def first_at_or_after(curve: list[tuple[int, float]], pred: Callable[[float], bool], after: int = 1) -> int | None:
+    return next((s for s, v in curve if s >= after and pred(v)), None)
+
+
+def plot(path: Path, res: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s0 = res["sft"]["chosen_step"]
+    fig, ax = plt.subplots(figsize=(9, 5))
+    sft = [(s, v) for s, v in res["sft"]["curve"] if s <= s0]  # later points: SFT ran on while being stopped
+    ax.plot([s for s, _ in sft], [v for _, v in sft], "o-", ms=3, color="tab:gray", label="SFT warm-up (sft_loss)")
+    styles = {"grpo": ("tab:blue", "GRPO"), "lr0": ("tab:orange", "control: --lr 0"),
+              "random": ("tab:red", "control: --rm-type random")}  # fmt: skip
+    for key, (color, label) in styles.items():
+        run = res["rl"].get(key)
+        if run and run["curve"]:
+            ax.plot(
+                [s0 + s for s, _ in run["curve"]], [v for _, v in run["curve"]], "o-", ms=3, color=color, label=label
+            )
+    start = res["rl"]["start_eval"]
+    ax.axvline(s0, color="black", ls="--", lw=1)
+    ax.text(s0, 1.01, " SFT → RL", va="bottom", ha="left", fontsize=9)
+    ax.axhspan(start - res["control_tolerance"], start + res["control_tolerance"], color="tab:green", alpha=0.12,
+               label=f"start ±{res['control_tolerance']}")  # fmt: skip
+    ax.axhspan(res["band"][0], res["band"][1], xmax=0.02, color="tab:purple", alpha=0.3)
+    ax.axhline(res["target"], color="tab:blue", ls=":", lw=1, label=f"target {res['target']}")
+    ax.set_xlabel("training step (SFT steps, then RL steps from the chosen checkpoint)")
+    ax.set_ylabel(f"held-out eval reward (T=1.0, {res['eval_samples']} samples)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Toy task (reverse 6–8 digits): SFT warm-up, then GRPO vs controls")
+    ax.legend(loc="center right", fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workdir", default="runs/toy_learning")
+    p.add_argument("--out-json", default="bench/results/toy_learning.json")
+    p.add_argument("--png", default="docs/img/toy_learning.png")
+    p.add_argument("--seed", type=int, default=1234, help="training seed (megatron init order, shuffling)")
+    p.add_argument("--data-seed", type=int, default=0, help="examples.toy.prepare --seed (split and model init)")
+    g = p.add_argument_group("task and model")
+    g.add_argument("--num-train", type=int, default=4096)
+    g.add_argument("--num-eval", type=int, default=256)
+    g.add_argument("--hidden-size", type=int, default=128)
+    g.add_argument("--num-layers", type=int, default=2)
+    g.add_argument("--num-heads", type=int, default=4)
+    g.add_argument("--num-kv-heads", type=int, default=2)
+    g.add_argument("--intermediate-size", type=int, default=256)
+    g = p.add_argument_group("SFT warm-up")
+    g.add_argument("--sft-lr", type=float, default=1e-3)
+    g.add_argument("--sft-batch", type=int, default=64)
+    g.add_argument("--sft-max-steps", type=int, default=500)
+    g.add_argument("--sft-eval-interval", type=int, default=5)
+    g.add_argument("--band", type=float, nargs=2, default=[0.5, 0.6])
+    g.add_argument("--sft-eval-samples-per-prompt", type=int, default=1)
+    g = p.add_argument_group("RL (GRPO and the controls)")
+    g.add_argument("--rl-lr", type=float, default=1e-3)
+    g.add_argument("--rl-adam-eps", type=float, default=1e-8)
+    g.add_argument("--kl-loss-coef", type=float, default=0.0)
+    g.add_argument("--rl-batch", type=int, default=64, help="prompts per rollout (one optimizer step each)")
+    g.add_argument("--n-samples", type=int, default=8, help="--n-samples-per-prompt")
+    g.add_argument("--rl-max-steps", type=int, default=120)
+    g.add_argument("--rl-eval-interval", type=int, default=5)
+    g.add_argument("--target", type=float, default=0.9)
+    g.add_argument("--control-tolerance", type=float, default=0.05)
+    g.add_argument("--skip-controls", action="store_true")
+    g = p.add_argument_group("execution")
+    g.add_argument("--n-samples-per-eval-prompt", type=int, default=2, help="RL evals (SFT: see above)")
+    g.add_argument("--rollout-num-gpus", type=int, default=2, help="fake engines (each a process)")
+    g.add_argument("--max-tokens-per-gpu", type=int, default=8192)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    a = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    from bench.toy_reward_server import ToyRewardServer, write_remote_eval_file
+    from examples.toy.prepare import prepare
+
+    work = (ROOT / a.workdir).resolve()
+    t_all = time.perf_counter()
+    model_kwargs = {k: getattr(a, k) for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads")}
+    model_kwargs["intermediate_size"] = a.intermediate_size
+    paths = prepare(work / "assets", a.num_train, a.num_eval, a.data_seed, model_kwargs=model_kwargs)
+    eval_remote = write_remote_eval_file(paths["eval"], work / "assets" / "data" / "eval_remote_rm.jsonl", RM_KEY)
+    res: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}",
+        "argv": sys.argv[1:] if argv is None else argv,
+        "model": model_kwargs,
+        "band": list(a.band),
+        "target": a.target,
+        "control_tolerance": a.control_tolerance,
+        "eval_samples": a.num_eval * a.n_samples_per_eval_prompt,
+        "sft_eval_samples": a.num_eval * a.sft_eval_samples_per_prompt,
+    }
+
+    # ---- 1. SFT warm-up: stop at the first eval inside the band --------------------------------------------
+    sft_dir = work / "sft"
+    lo, hi = a.band
+    in_band = lambda v: lo <= v <= hi  # noqa: E731
+    sft_flags = [
+        *common_flags(a, paths["model"], paths["train"]),
+        "--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout",
+        "--eval-function-path", "slime.rollout.sglang_rollout.generate_rollout",
+        "--eval-prompt-data", "toy", str(paths["eval"]), "--eval-interval", str(a.sft_eval_interval),
+        "--n-samples-per-eval-prompt", str(a.sft_eval_samples_per_prompt),
+        "--custom-rm-path", "examples.toy.reward.reverse_digits_rm", "--loss-type", "sft_loss",
+        "--rollout-batch-size", str(a.sft_batch), "--global-batch-size", str(a.sft_batch),
+        "--num-rollout", str(a.sft_max_steps), "--lr", str(a.sft_lr),
+        "--save-hf", str(sft_dir / "hf_{rollout_id}"), "--save-interval", str(a.sft_eval_interval),
+    ]  # fmt: skip
+    logger.info("SFT warm-up (at most %d steps)", a.sft_max_steps)
+    sft_run = run_slime(sft_flags, sft_dir, stop=lambda c: first_at_or_after(c, in_band) is not None)
+    sft_curve = eval_curve(sft_dir)
+    chosen = first_at_or_after(sft_curve, in_band)
+    if chosen is None:
+        raise SystemExit(f"SFT never evaluated inside {a.band}: {sft_curve}; lower --sft-lr or raise --sft-max-steps")
+    ckpt = sft_dir / f"hf_{chosen - 1}"  # saved after rollout chosen-1, i.e. the weights eval step `chosen` saw
+    res["sft"] = {**sft_run, "curve": sft_curve, "chosen_step": chosen, "chosen_eval": dict(sft_curve)[chosen],
+                  "checkpoint": str(ckpt.relative_to(ROOT) if ckpt.is_relative_to(ROOT) else ckpt)}  # fmt: skip
+    logger.info("RL starts from %s (SFT step %d, eval %.3f)", ckpt, chosen, dict(sft_curve)[chosen])
+
+    # ---- 2. GRPO until the target ------------------------------------------------------------------------
+    rl: dict[str, Any] = {}
+    toy_rm = ["--custom-rm-path", "examples.toy.reward.reverse_digits_rm"]
+    toy_eval = ["--eval-prompt-data", "toy", str(paths["eval"])]
+    reached = lambda c: first_at_or_after(c, lambda v: v >= a.target) is not None  # noqa: E731
+    base = [*rl_flags(a, ckpt, paths["train"], a.rl_max_steps), "--lr", str(a.rl_lr)]
+    logger.info("GRPO (at most %d steps)", a.rl_max_steps)
+    rl["grpo"] = run_slime([*base, *toy_rm, *toy_eval], work / "grpo", stop=reached)
+    rl["grpo"]["curve"] = eval_curve(work / "grpo")
+    first = first_at_or_after(rl["grpo"]["curve"], lambda v: v >= a.target)
+    rl["grpo"]["first_step_at_target"] = first
+    steps = first if first is not None else max((s for s, _ in rl["grpo"]["curve"]), default=a.rl_max_steps)
+    rl["steps"] = steps
+    rl["start_eval"] = dict(rl["grpo"]["curve"])[0]
+
+    # ---- 3. controls: same checkpoint, same number of steps ----------------------------------------------
+    if not a.skip_controls:
+        ctl = rl_flags(a, ckpt, paths["train"], steps)
+        logger.info("control --lr 0 (%d steps)", steps)
+        rl["lr0"] = run_slime([*ctl, "--lr", "0", *toy_rm, *toy_eval], work / "lr0", stop=None)
+        rl["lr0"]["curve"] = eval_curve(work / "lr0")
+        logger.info("control --rm-type random (%d steps)", steps)
+        with ToyRewardServer() as srv:
+            rnd = [*ctl, "--lr", str(a.rl_lr), "--rm-type", "random", "--rm-url", srv.url, "--metadata-key", RM_KEY]
+            rl["random"] = run_slime([*rnd, "--eval-prompt-data", "toy", str(eval_remote)], work / "random", stop=None)
+        rl["random"]["curve"] = eval_curve(work / "random")
+        for key in ("lr0", "random"):
+            dev = max(abs(v - rl["start_eval"]) for _, v in rl[key]["curve"])
+            rl[key]["max_abs_deviation"] = round(dev, 4)
+            rl[key]["within_tolerance"] = dev <= a.control_tolerance
+    res["rl"] = rl
+    res["total_wall_s"] = round(time.perf_counter() - t_all, 1)
+    res["verdict"] = {
+        "sft_checkpoint_in_band": chosen is not None,
+        "grpo_reaches_target": first is not None,
+        "controls_within_tolerance": all(rl[k].get("within_tolerance") for k in ("lr0", "random") if k in rl),
+    }
+
+    out = ROOT / a.out_json
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    plot(ROOT / a.png, res)
+    print_table(res)
+    return res
+
+
+def print_table(res: dict[str, Any]) -> None:
+    rl, sft = res["rl"], res["sft"]
+    print(f"\nSFT: {len(sft['curve'])} evals, chosen step {sft['chosen_step']} (eval {sft['chosen_eval']:.3f}), "
+          f"{sft['wall_s']:.0f} s")  # fmt: skip
+    print(f"{'run':<10} {'steps':>5} {'start':>6} {'final':>6} {'min':>6} {'max':>6} {'wall s':>7}")
+    for key in ("grpo", "lr0", "random"):
+        if key in rl:
+            vals = [v for _, v in rl[key]["curve"]]
+            print(f"{key:<10} {rl[key]['curve'][-1][0]:>5} {vals[0]:>6.3f} {vals[-1]:>6.3f} {min(vals):>6.3f} "
+                  f"{max(vals):>6.3f} {rl[key]['wall_s']:>7.0f}")  # fmt: skip
+    g = rl["grpo"]
+    gain = g["curve"][-1][1] - rl["start_eval"]
+    print(f"GRPO: first eval >= {res['target']} at RL step {g['first_step_at_target']}; gain {gain:+.3f}")
+    for key in ("lr0", "random"):
+        if key in rl:
+            ratio = (rl[key]["curve"][-1][1] - rl["start_eval"]) / gain if gain else float("nan")
+            print(f"{key}: max |eval - start| = {rl[key]['max_abs_deviation']:.3f} "
+                  f"(tolerance {res['control_tolerance']}), final change / GRPO gain = {ratio:+.2f}")  # fmt: skip
+    print(f"total wall time {res['total_wall_s']:.0f} s; verdict {res['verdict']}")
+
+
+if __name__ == "__main__":
+    main()
