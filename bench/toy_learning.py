@@ -1,6 +1,7 @@
 """Issue #4 acceptance, "it learns by RL": SFT warm-up → GRPO on the toy task, against two controls.
 
-    .venv/bin/python -m bench.toy_learning [--workdir runs/toy_learning] [--rl-max-steps 150] [...]
+    .venv/bin/python -m bench.toy_learning [--workdir runs/toy_learning] [--rl-max-steps 120] [...]
+    .venv/bin/python -m bench.toy_learning --reanalyse   # rebuild JSON/PNG/table from the workdir only
 
 Every phase is the real `slime train` CLI (megatron-core on CPU through the shim, fake `hf` engines behind the
 real router, weight sync after every rollout), run as a subprocess whose `metrics.jsonl` is watched:
@@ -18,8 +19,9 @@ Eval is always at temperature 1.0 on the held-out prompts. Eval sampling seeds d
 (`--rollout-seed`, rollout id, sample index), so the three RL runs draw identical eval seeds at equal steps:
 step 0 is the same number in all three, and a flat control differs from it only by sampling noise.
 
-Writes `--out-json` (curves, wall times, chosen checkpoint, verdicts), draws `--png`, prints a table. A bench,
-not a test: it never asserts; on 2 shared cores wall times are indicative.
+Writes `--out-json` (curves, wall times, chosen checkpoint, verdicts), draws `--png` (matplotlib), prints a
+table. A bench, not a test: it never asserts; on 2 shared cores wall times are indicative. Results and their
+reading: docs/performance.md, "Toy task learning (issue #4)".
 """
 
 from __future__ import annotations
@@ -75,7 +77,9 @@ def run_slime(flags: list[str], metrics_dir: Path, stop: Callable[[list[tuple[in
     stopped_early = False
     stop_s = None
     with open(metrics_dir / "train.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_default_sigint
+        )
         try:
             while proc.poll() is None:
                 time.sleep(1.0)
@@ -96,10 +100,16 @@ def run_slime(flags: list[str], metrics_dir: Path, stop: Callable[[list[tuple[in
     return out
 
 
+def _default_sigint() -> None:
+    # A bench started in the background (`cmd &` without job control) inherits SIGINT as ignored, and so would
+    # `slime train`; Python only turns SIGINT into KeyboardInterrupt when it starts with the default handler.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _stop_group(proc: subprocess.Popen) -> None:
     """SIGINT the driver (its `finally` disposes engines and Ray); escalate to the whole process group.
 
-    The driver does not always act on SIGINT while blocked in Ray calls, so after a short grace the group
+    Should the driver not be done after a short grace, the group
     (the driver and the Ray head processes it started; engines follow through their parent-death signal)
     gets SIGTERM, then SIGKILL. The group is this bench's own child session (start_new_session=True).
     """
@@ -173,13 +183,17 @@ def plot(path: Path, res: dict[str, Any]) -> None:
     ax.text(s0, 1.01, " SFT → RL", va="bottom", ha="left", fontsize=9)
     ax.axhspan(start - res["control_tolerance"], start + res["control_tolerance"], color="tab:green", alpha=0.12,
                label=f"start ±{res['control_tolerance']}")  # fmt: skip
-    ax.axhspan(res["band"][0], res["band"][1], xmax=0.02, color="tab:purple", alpha=0.3)
+    ax.axhspan(res["band"][0], res["band"][1], xmax=0.015, color="tab:purple", alpha=0.4, label="start band")
+    trunc = res["rl"]["grpo"].get("truncated_ratio")
+    if trunc:  # the toy reward ignores text after the digits, so not stopping costs nothing: show it
+        ax.plot([s0 + s for s, _ in trunc], [v for _, v in trunc], "--", lw=1, color="tab:blue", alpha=0.6,
+                label="GRPO: eval answers cut at max length (fraction)")  # fmt: skip
     ax.axhline(res["target"], color="tab:blue", ls=":", lw=1, label=f"target {res['target']}")
     ax.set_xlabel("training step (SFT steps, then RL steps from the chosen checkpoint)")
-    ax.set_ylabel(f"held-out eval reward (T=1.0, {res['eval_samples']} samples)")
+    ax.set_ylabel(f"held-out eval reward, T=1.0 (SFT {res['sft_eval_samples']}, RL {res['eval_samples']} samples)")
     ax.set_ylim(0, 1.05)
     ax.set_title("Toy task (reverse 6–8 digits): SFT warm-up, then GRPO vs controls")
-    ax.legend(loc="center right", fontsize=8)
+    ax.legend(loc="upper left", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -224,12 +238,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--n-samples-per-eval-prompt", type=int, default=2, help="RL evals (SFT: see above)")
     g.add_argument("--rollout-num-gpus", type=int, default=2, help="fake engines (each a process)")
     g.add_argument("--max-tokens-per-gpu", type=int, default=8192)
+    g.add_argument(
+        "--reanalyse", action="store_true", help="rebuild JSON/PNG/table from --workdir and --out-json, run nothing"
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if a.reanalyse:
+        return finish(a, json.loads((ROOT / a.out_json).read_text()))
     from bench.toy_reward_server import ToyRewardServer, write_remote_eval_file
     from examples.toy.prepare import prepare
 
@@ -273,48 +292,98 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if chosen is None:
         raise SystemExit(f"SFT never evaluated inside {a.band}: {sft_curve}; lower --sft-lr or raise --sft-max-steps")
     ckpt = sft_dir / f"hf_{chosen - 1}"  # saved after rollout chosen-1, i.e. the weights eval step `chosen` saw
-    res["sft"] = {**sft_run, "curve": sft_curve, "chosen_step": chosen, "chosen_eval": dict(sft_curve)[chosen],
-                  "checkpoint": str(ckpt.relative_to(ROOT) if ckpt.is_relative_to(ROOT) else ckpt)}  # fmt: skip
+    res["sft"] = {**sft_run, "checkpoint": str(ckpt.relative_to(ROOT) if ckpt.is_relative_to(ROOT) else ckpt)}
     logger.info("RL starts from %s (SFT step %d, eval %.3f)", ckpt, chosen, dict(sft_curve)[chosen])
 
     # ---- 2. GRPO until the target ------------------------------------------------------------------------
-    rl: dict[str, Any] = {}
+    runs: dict[str, Any] = {}
     toy_rm = ["--custom-rm-path", "examples.toy.reward.reverse_digits_rm"]
     toy_eval = ["--eval-prompt-data", "toy", str(paths["eval"])]
     reached = lambda c: first_at_or_after(c, lambda v: v >= a.target) is not None  # noqa: E731
     base = [*rl_flags(a, ckpt, paths["train"], a.rl_max_steps), "--lr", str(a.rl_lr)]
     logger.info("GRPO (at most %d steps)", a.rl_max_steps)
-    rl["grpo"] = run_slime([*base, *toy_rm, *toy_eval], work / "grpo", stop=reached)
-    rl["grpo"]["curve"] = eval_curve(work / "grpo")
-    first = first_at_or_after(rl["grpo"]["curve"], lambda v: v >= a.target)
-    rl["grpo"]["first_step_at_target"] = first
-    steps = first if first is not None else max((s for s, _ in rl["grpo"]["curve"]), default=a.rl_max_steps)
-    rl["steps"] = steps
-    rl["start_eval"] = dict(rl["grpo"]["curve"])[0]
+    runs["grpo"] = run_slime([*base, *toy_rm, *toy_eval], work / "grpo", stop=reached)
+    curve = eval_curve(work / "grpo")
+    first = first_at_or_after(curve, lambda v: v >= a.target)
+    steps = first if first is not None else max((s for s, _ in curve), default=a.rl_max_steps)
 
     # ---- 3. controls: same checkpoint, same number of steps ----------------------------------------------
     if not a.skip_controls:
         ctl = rl_flags(a, ckpt, paths["train"], steps)
         logger.info("control --lr 0 (%d steps)", steps)
-        rl["lr0"] = run_slime([*ctl, "--lr", "0", *toy_rm, *toy_eval], work / "lr0", stop=None)
-        rl["lr0"]["curve"] = eval_curve(work / "lr0")
+        runs["lr0"] = run_slime([*ctl, "--lr", "0", *toy_rm, *toy_eval], work / "lr0", stop=None)
         logger.info("control --rm-type random (%d steps)", steps)
         with ToyRewardServer() as srv:
             rnd = [*ctl, "--lr", str(a.rl_lr), "--rm-type", "random", "--rm-url", srv.url, "--metadata-key", RM_KEY]
-            rl["random"] = run_slime([*rnd, "--eval-prompt-data", "toy", str(eval_remote)], work / "random", stop=None)
-        rl["random"]["curve"] = eval_curve(work / "random")
-        for key in ("lr0", "random"):
-            dev = max(abs(v - rl["start_eval"]) for _, v in rl[key]["curve"])
-            rl[key]["max_abs_deviation"] = round(dev, 4)
-            rl[key]["within_tolerance"] = dev <= a.control_tolerance
-    res["rl"] = rl
+            runs["random"] = run_slime([*rnd, "--eval-prompt-data", "toy", str(eval_remote)], work / "random", None)
+    res["rl"] = runs
     res["total_wall_s"] = round(time.perf_counter() - t_all, 1)
+    return finish(a, res)
+
+
+def analyse(a: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
+    """Curves, stop points and verdicts from the run directories (`res` holds the live wall times).
+
+    A stopped run may log a few more evals while it shuts down: they go to `curve_after_stop` and count
+    for nothing. Controls are judged against the RL runs' common step-0 eval (same checkpoint, same seeds).
+    """
+    work = (ROOT / a.workdir).resolve()
+    lo, hi = a.band
+    sft_all = eval_curve(work / "sft")
+    chosen = first_at_or_after(sft_all, lambda v: lo <= v <= hi)
+    res["sft"].update(curve=[c for c in sft_all if chosen is None or c[0] <= chosen], chosen_step=chosen)
+    res["sft"]["curve_after_stop"] = [c for c in sft_all if chosen is not None and c[0] > chosen]
+    if chosen is not None:
+        res["sft"]["chosen_eval"] = dict(sft_all)[chosen]
+        res["sft"].setdefault("wall_to_stop_s", _wall_to(work / "sft", chosen))
+    rl = res["rl"]
+    g_all = eval_curve(work / "grpo")
+    first = first_at_or_after(g_all, lambda v: v >= a.target)
+    rl["grpo"]["curve"] = [c for c in g_all if first is None or c[0] <= first]
+    rl["grpo"]["curve_after_stop"] = [c for c in g_all if first is not None and c[0] > first]
+    rl["grpo"]["first_step_at_target"] = first
+    if first is not None:
+        rl["grpo"].setdefault("wall_to_stop_s", _wall_to(work / "grpo", first))
+    rl["steps"] = rl["grpo"]["curve"][-1][0]
+    rl["start_eval"] = rl["grpo"]["curve"][0][1]
+    rl["grpo"]["gain"] = round(rl["grpo"]["curve"][-1][1] - rl["start_eval"], 4)
+    rl["grpo"]["truncated_ratio"] = _eval_series(work / "grpo", "eval/toy/truncated_ratio", upto=first)
+    for key in ("lr0", "random"):
+        if key in rl:
+            rl[key]["curve"] = eval_curve(work / key)
+            dev = [v - rl["start_eval"] for _, v in rl[key]["curve"]]
+            rl[key]["max_abs_deviation"] = round(max(abs(d) for d in dev), 4)
+            rl[key]["max_gain"] = round(max(dev), 4)
+            rl[key]["within_tolerance"] = max(abs(d) for d in dev) <= a.control_tolerance
+            rl[key]["final_change_over_grpo_gain"] = (
+                round(dev[-1] / rl["grpo"]["gain"], 3) if rl["grpo"]["gain"] else None
+            )
+            rl[key]["truncated_ratio"] = _eval_series(work / key, "eval/toy/truncated_ratio")
     res["verdict"] = {
         "sft_checkpoint_in_band": chosen is not None,
         "grpo_reaches_target": first is not None,
-        "controls_within_tolerance": all(rl[k].get("within_tolerance") for k in ("lr0", "random") if k in rl),
+        "lr0_within_tolerance": rl.get("lr0", {}).get("within_tolerance"),
+        "random_within_tolerance": rl.get("random", {}).get("within_tolerance"),
     }
+    return res
 
+
+def _wall_to(run_dir: Path, step: int) -> float | None:
+    """Seconds from the run's start (command.txt written) to its eval record at `step`."""
+    rec = next((r for r in read_metrics(run_dir / "metrics.jsonl", "eval") if r["step"] == step), None)
+    start = run_dir / "command.txt"
+    return round(rec["wall_time"] - start.stat().st_mtime, 1) if rec and start.is_file() else None
+
+
+def _eval_series(run_dir: Path, key: str, upto: int | None = None) -> list[tuple[int, float]]:
+    recs = read_metrics(run_dir / "metrics.jsonl", "eval")
+    return [
+        (r["step"], r["metrics"][key]) for r in recs if key in r["metrics"] and (upto is None or r["step"] <= upto)
+    ]
+
+
+def finish(a: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
+    res = analyse(a, res)
     out = ROOT / a.out_json
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1) + "\n")
@@ -325,22 +394,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def print_table(res: dict[str, Any]) -> None:
     rl, sft = res["rl"], res["sft"]
-    print(f"\nSFT: {len(sft['curve'])} evals, chosen step {sft['chosen_step']} (eval {sft['chosen_eval']:.3f}), "
-          f"{sft['wall_s']:.0f} s")  # fmt: skip
-    print(f"{'run':<10} {'steps':>5} {'start':>6} {'final':>6} {'min':>6} {'max':>6} {'wall s':>7}")
+    print(
+        f"\nSFT: chosen step {sft['chosen_step']} (eval {sft['chosen_eval']:.3f}), {sft.get('wall_to_stop_s')} s to it"
+    )
+    print(f"{'run':<8} {'steps':>5} {'start':>6} {'final':>6} {'min':>6} {'max':>6} {'trunc':>6} {'to stop s':>9}")
     for key in ("grpo", "lr0", "random"):
         if key in rl:
             vals = [v for _, v in rl[key]["curve"]]
-            print(f"{key:<10} {rl[key]['curve'][-1][0]:>5} {vals[0]:>6.3f} {vals[-1]:>6.3f} {min(vals):>6.3f} "
-                  f"{max(vals):>6.3f} {rl[key]['wall_s']:>7.0f}")  # fmt: skip
+            trunc = rl[key]["truncated_ratio"][-1][1] if rl[key].get("truncated_ratio") else float("nan")
+            secs = rl[key].get("wall_to_stop_s") or rl[key]["wall_s"]
+            print(f"{key:<8} {rl[key]['curve'][-1][0]:>5} {vals[0]:>6.3f} {vals[-1]:>6.3f} {min(vals):>6.3f} "
+                  f"{max(vals):>6.3f} {trunc:>6.3f} {secs:>9.0f}")  # fmt: skip
     g = rl["grpo"]
-    gain = g["curve"][-1][1] - rl["start_eval"]
-    print(f"GRPO: first eval >= {res['target']} at RL step {g['first_step_at_target']}; gain {gain:+.3f}")
+    print(f"GRPO: first eval >= {res['target']} at RL step {g['first_step_at_target']}; gain {g['gain']:+.3f}")
     for key in ("lr0", "random"):
         if key in rl:
-            ratio = (rl[key]["curve"][-1][1] - rl["start_eval"]) / gain if gain else float("nan")
-            print(f"{key}: max |eval - start| = {rl[key]['max_abs_deviation']:.3f} "
-                  f"(tolerance {res['control_tolerance']}), final change / GRPO gain = {ratio:+.2f}")  # fmt: skip
+            c = rl[key]
+            print(
+                f"{key}: max |eval - start| = {c['max_abs_deviation']:.3f} (tolerance {res['control_tolerance']}), "
+                f"max gain {c['max_gain']:+.3f}, final change / GRPO gain = {c['final_change_over_grpo_gain']:+.2f}"
+            )
     print(f"total wall time {res['total_wall_s']:.0f} s; verdict {res['verdict']}")
 
 
