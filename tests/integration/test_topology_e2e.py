@@ -11,13 +11,12 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 from collections import Counter
 from pathlib import Path
 
-import psutil
 import pytest
+
+from sim.process_tree import ProcessTreeWatcher
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cluster")]
 
@@ -27,51 +26,13 @@ EX = ROOT / "examples" / "sglang_config"
 BATCH, N_SAMPLES = 4, 2
 
 
-class Tree:
-    """Every descendant's cmdline and listening ports, sampled while the command runs."""
-
-    def __init__(self, pid: int) -> None:
-        self.root = psutil.Process(pid)
-        self.cmdlines: dict[int, str] = {}
-        self.names: dict[int, str] = {}
-        self.listeners: dict[int, set[int]] = {}
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._loop, daemon=True)
-        self._t.start()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                procs = [self.root, *self.root.children(recursive=True)]
-            except psutil.Error:
-                return
-            for p in procs:
-                try:
-                    cmd = " ".join(p.cmdline())
-                    if cmd:  # a zombie's cmdline reads empty: keep what the live process showed
-                        self.cmdlines[p.pid] = cmd
-                    self.names[p.pid] = p.name()
-                    ports = {c.laddr.port for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN}
-                    self.listeners.setdefault(p.pid, set()).update(ports)
-                except psutil.Error:
-                    pass
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._t.join(timeout=5)
-
-    def count(self, needle: str) -> int:
-        return sum(needle in c or needle in self.names.get(pid, "") for pid, c in self.cmdlines.items())
-
-
-def run_slime(argv: list[str], out: Path, timeout: float = 600) -> tuple[dict, Tree]:
+def run_slime(argv: list[str], out: Path, timeout: float = 600) -> tuple[dict, ProcessTreeWatcher]:
     cmd = [sys.executable, "-m", "slime.cli", "train", *argv, "--metrics-dir", str(out)]
     log_path = out.parent / f"{out.name}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-        tree = Tree(proc.pid)
+        tree = ProcessTreeWatcher(proc.pid)
         try:
             rc = proc.wait(timeout=timeout)
         finally:

@@ -13,12 +13,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+
+from sim.process_tree import ProcessTreeWatcher
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cluster")]
 
@@ -56,45 +57,14 @@ def rollout_flags(assets: Path) -> list[str]:
     ]  # fmt: skip
 
 
-class TreeWatcher:
-    """Samples the process tree of a running command: every descendant's cmdline and its listening ports."""
-
-    def __init__(self, pid: int) -> None:
-        self.root = psutil.Process(pid)
-        self.cmdlines: dict[int, str] = {}
-        self.listeners: dict[int, set[int]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                procs = [self.root, *self.root.children(recursive=True)]
-            except psutil.Error:
-                return
-            for p in procs:
-                try:
-                    cmd = " ".join(p.cmdline())
-                    if cmd:  # a zombie's cmdline reads empty: keep what the live process showed
-                        self.cmdlines[p.pid] = cmd
-                    ports = {c.laddr.port for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
-                    self.listeners.setdefault(p.pid, set()).update(ports)
-                except psutil.Error:
-                    pass
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-
-def run_slime(argv: list[str], metrics: Path, on_running=None, timeout: float = 600) -> tuple[dict, TreeWatcher]:
+def run_slime(
+    argv: list[str], metrics: Path, on_running=None, timeout: float = 600
+) -> tuple[dict, ProcessTreeWatcher]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "slime.cli", "train", *argv, "--metrics-dir", str(metrics)]
     log = open(metrics.parent / f"{metrics.name}.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    watcher = TreeWatcher(proc.pid)
+    watcher = ProcessTreeWatcher(proc.pid)
     try:
         if on_running is not None:
             on_running(proc)

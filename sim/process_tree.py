@@ -1,0 +1,52 @@
+"""`ProcessTreeWatcher`: what a running command really started, seen from outside with psutil.
+
+Tests use it to prove which processes a run launched (engines, routers) and which ports they listened on,
+instead of trusting a mocked launcher or the run's own report.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import psutil
+
+
+class ProcessTreeWatcher:
+    """Samples every descendant's cmdline, process name and listening ports until `stop()`."""
+
+    def __init__(self, pid: int, interval: float = 0.2) -> None:
+        self.root = psutil.Process(pid)
+        self.interval = interval
+        self.cmdlines: dict[int, str] = {}
+        self.names: dict[int, str] = {}
+        self.listeners: dict[int, set[int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                procs = [self.root, *self.root.children(recursive=True)]
+            except psutil.Error:
+                return
+            for p in procs:
+                try:
+                    cmd = " ".join(p.cmdline())
+                    if cmd:  # a zombie's cmdline reads empty: keep what the live process showed
+                        self.cmdlines[p.pid] = cmd
+                    self.names[p.pid] = p.name()  # e.g. sglang_router retitles itself "sglang::router"
+                    ports = {c.laddr.port for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN}
+                    self.listeners.setdefault(p.pid, set()).update(ports)
+                except psutil.Error:
+                    pass
+            time.sleep(self.interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def count(self, needle: str) -> int:
+        """Processes whose cmdline or name contains `needle`."""
+        return sum(needle in c or needle in self.names.get(pid, "") for pid, c in self.cmdlines.items())
