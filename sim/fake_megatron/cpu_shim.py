@@ -14,6 +14,7 @@ when CUDA is available, so the same flag is harmless on a GPU host. fp32 only: b
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any
 
@@ -128,7 +129,11 @@ def apply(args: Any = None) -> None:
         _patch_cuda_runtime()
         _patch_megatron()
         _APPLIED = True
-        logger.info("megatron-core CPU shim applied (fp32 only)")
+        # Ray pins OMP_NUM_THREADS=1 in actors; in the alternating loop the engines idle while the trainer runs,
+        # so a single-host CPU run may give the trainer every core (opt-in: concurrent test runs would oversubscribe).
+        if threads := int(os.environ.get("SLIME_CPU_THREADS", "0") or 0):
+            torch.set_num_threads(threads)
+        logger.info("megatron-core CPU shim applied (fp32 only, %d intra-op threads)", torch.get_num_threads())
     if getattr(args, "use_distributed_optimizer", None):
         enable_distributed_optimizer()
     if getattr(_LOCAL, "mode", None) is None:

@@ -221,13 +221,16 @@ async def _eval_one(args: Any, rollout_id: int, name: str, path: str) -> tuple[s
     n = int(getattr(args, "n_samples_per_eval_prompt", None) or 1)
     params = base_sampling_params(args, evaluation=True)
     seed = int(getattr(args, "rollout_seed", 42))
+    # Common random numbers: with a fixed seed, a sampled eval at T>0 changes between two evals only where the
+    # weights changed, so a flat curve really is flat instead of moving by the sampling noise of each eval.
+    seed_rollout_id = 0 if getattr(args, "eval_fixed_sampling_seed", False) else rollout_id
     samples = []
     for prompt in dataset.samples:
         for _ in range(n):
             s = copy.deepcopy(prompt)
             s.group_index = len(samples) // n
             s.index = len(samples)
-            s.metadata["sampling_seed"] = derive_sampling_seed(seed, rollout_id, s.index)
+            s.metadata["sampling_seed"] = derive_sampling_seed(seed, seed_rollout_id, s.index)
             samples.append(s)
     outs = await asyncio.gather(*(generate_and_rm(args, s, params, evaluation=True) for s in samples))
     flat = [s for o in outs for s in (o if isinstance(o, list) else [o])]

@@ -193,6 +193,11 @@ def _add_reward_and_eval(p: argparse.ArgumentParser) -> None:
     g.add_argument("--skip-eval-before-train", action="store_true")
     g.add_argument("--n-samples-per-eval-prompt", type=int, default=1)
     g.add_argument("--eval-temperature", type=float, default=None)
+    g.add_argument(
+        "--eval-fixed-sampling-seed",
+        action="store_true",
+        help="every eval draws the sampling seeds of the first one, so eval curves differ only by the weights",
+    )
     g.add_argument("--eval-top-p", type=float, default=None)
     g.add_argument("--eval-top-k", type=int, default=None)
     g.add_argument("--eval-max-response-len", type=int, default=None)

@@ -249,3 +249,16 @@ def test_cpu_shim_clip_scales_only_above_max_norm():
     torch.testing.assert_close(p.grad, torch.tensor([0.6, 0.8, 0.0]), atol=1e-6, rtol=0)
     assert _is_cuda("cuda:1") and _is_cuda(torch.device("cuda")) and _is_cuda(0)
     assert not (_is_cuda("cpu") or _is_cuda(None) or _is_cuda(True))
+
+
+@pytest.mark.parametrize("env, expected", [("3", 3), ("", 1)])
+def test_cpu_shim_threads_opt_in(env, expected):
+    """SLIME_CPU_THREADS lifts Ray's OMP_NUM_THREADS=1 for the CPU trainer; unset, the actor's setting stays."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import torch; import sim.fake_megatron.cpu_shim as s; s.apply(); print(torch.get_num_threads())"
+    env_vars = {**os.environ, "OMP_NUM_THREADS": "1", "SLIME_CPU_THREADS": env, "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, "-c", code], env=env_vars, capture_output=True, text=True, check=True)
+    assert int(out.stdout.strip().splitlines()[-1]) == expected

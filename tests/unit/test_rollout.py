@@ -319,6 +319,28 @@ def test_eval_output(tmp_path: Path, tiny_ckpt: Path, engine: StubEngine) -> Non
     assert all(b["sampling_params"]["temperature"] == 0.5 for b in engine.generate_bodies())
 
 
+def test_eval_fixed_sampling_seed(tmp_path: Path, tiny_ckpt: Path, engine: StubEngine) -> None:
+    """Evals at different rollouts share seeds only with --eval-fixed-sampling-seed (common random numbers)."""
+    evalf = tmp_path / "eval.jsonl"
+    evalf.write_text("".join(json.dumps({"input": f"e{i}"}) + "\n" for i in range(2)))
+
+    def seeds(fixed: bool, rollout_id: int) -> list[int]:
+        args = make_args(
+            tmp_path, tiny_ckpt, engine, eval_prompt_data=["toy", str(evalf)], n_samples_per_eval_prompt=2
+        )
+        args.eval_fixed_sampling_seed = fixed
+        out = call_rollout_fn(generate_rollout, args, rollout_id, None, evaluation=True)
+        return [s.metadata["sampling_seed"] for s in out.data["toy"]["samples"]]
+
+    fixed = [seeds(True, r) for r in (0, 5, 10)]
+    assert fixed[0] == fixed[1] == fixed[2] and len(set(fixed[0])) == 4
+    assert fixed[0] == [derive_sampling_seed(42, 0, i) for i in range(4)]
+    fresh = [seeds(False, r) for r in (0, 5)]
+    assert fresh[0] == fixed[0] and set(fresh[1]).isdisjoint(fresh[0])
+    sent = [b["sampling_params"].get("sampling_seed") for b in engine.generate_bodies()]
+    assert sent[-4:] == fresh[1]  # the seed recorded on the sample is the one the engine received
+
+
 def test_get_model_url_and_legacy_returns() -> None:
     args = types.SimpleNamespace(
         sglang_router_ip="127.0.0.1", sglang_router_port=3000, sglang_model_routers={"ref": "http://10.0.0.2:4000"}
