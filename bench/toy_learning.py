@@ -9,15 +9,16 @@ real router, weight sync after every rollout), run as a subprocess whose `metric
 1. **SFT** (`--loss-type sft_loss`, labels as responses) from the random-init checkpoint, held-out eval and an
    HF checkpoint every `--sft-eval-interval` steps; stopped at the first eval inside `--band` (default
    [0.5, 0.6]), whose checkpoint is the RL start.
-2. **GRPO** from that checkpoint (`--n-samples-per-prompt`, `--rollout-temperature 1.0`), stopped at the first
+2. **GRPO** from that checkpoint (`--n-samples-per-prompt`, `--rollout-temperature 1.0`, a low_var_kl loss to the
+   checkpoint: without it the random-reward control collapses, docs/performance.md), stopped at the first
    eval ≥ `--target` (or after `--rl-max-steps`).
 3. **Controls** for the same number of steps from the same checkpoint, identical flags except: `--lr 0`;
    `--rm-type random` (no `--custom-rm-path`: its eval rows are scored by `bench/toy_reward_server.py` through
    `remote_rm`, so every run reports the same toy reward).
 
-Eval is always at temperature 1.0 on the held-out prompts. Eval sampling seeds depend only on
-(`--rollout-seed`, rollout id, sample index), so the three RL runs draw identical eval seeds at equal steps:
-step 0 is the same number in all three, and a flat control differs from it only by sampling noise.
+Eval is always at temperature 1.0 on the held-out prompts, with `--eval-fixed-sampling-seed`: every eval of every
+run draws the same sampling seeds, so step 0 is the same number in all three RL runs and a curve moves only where
+the weights changed (an unchanged model repeats its eval exactly).
 
 Writes `--out-json` (curves, wall times, chosen checkpoint, verdicts), draws `--png` (matplotlib), prints a
 table. A bench, not a test: it never asserts; on 2 shared cores wall times are indicative. Results and their
@@ -138,7 +139,7 @@ def common_flags(a: argparse.Namespace, checkpoint: Path, train: Path) -> list[s
         "--rollout-engine", "sim", "--sim-engine", "hf",
         "--custom-megatron-init-path", "sim.fake_megatron.cpu_shim.apply",
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(a.max_tokens_per_gpu),
-        "--seed", str(a.seed), "--no-use-tensorboard",
+        "--seed", str(a.seed), "--no-use-tensorboard", "--eval-fixed-sampling-seed",
     ]  # fmt: skip
 
 
@@ -149,7 +150,7 @@ def rl_flags(a: argparse.Namespace, checkpoint: Path, train: Path, num_rollout: 
         "--global-batch-size", str(a.rl_batch * a.n_samples), "--num-rollout", str(num_rollout),
         "--eval-interval", str(a.rl_eval_interval), "--advantage-estimator", "grpo",
         "--n-samples-per-eval-prompt", str(a.n_samples_per_eval_prompt),
-        "--adam-eps", str(a.rl_adam_eps),
+        "--adam-eps", str(a.rl_adam_eps), "--lr-warmup-iters", str(a.rl_lr_warmup),
     ]  # fmt: skip
     if a.kl_loss_coef:
         flags += ["--use-kl-loss", "--kl-loss-coef", str(a.kl_loss_coef), "--kl-loss-type", "low_var_kl"]
@@ -224,12 +225,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--band", type=float, nargs=2, default=[0.5, 0.6])
     g.add_argument("--sft-eval-samples-per-prompt", type=int, default=1)
     g = p.add_argument_group("RL (GRPO and the controls)")
-    g.add_argument("--rl-lr", type=float, default=1e-3)
+    g.add_argument("--rl-lr", type=float, default=5e-4)
     g.add_argument("--rl-adam-eps", type=float, default=1e-8)
-    g.add_argument("--kl-loss-coef", type=float, default=0.0)
+    g.add_argument("--rl-lr-warmup", type=int, default=30, help="--lr-warmup-iters of the RL runs")
+    g.add_argument("--kl-loss-coef", type=float, default=0.2, help="low_var_kl to the RL start checkpoint")
     g.add_argument("--rl-batch", type=int, default=64, help="prompts per rollout (one optimizer step each)")
     g.add_argument("--n-samples", type=int, default=8, help="--n-samples-per-prompt")
-    g.add_argument("--rl-max-steps", type=int, default=120)
+    g.add_argument("--rl-max-steps", type=int, default=200)
     g.add_argument("--rl-eval-interval", type=int, default=5)
     g.add_argument("--target", type=float, default=0.9)
     g.add_argument("--control-tolerance", type=float, default=0.05)
@@ -253,6 +255,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from examples.toy.prepare import prepare
 
     work = (ROOT / a.workdir).resolve()
+    # The loop alternates rollout and training, so the CPU trainer may use every core (sim/fake_megatron/cpu_shim).
+    os.environ.setdefault("SLIME_CPU_THREADS", str(os.cpu_count() or 1))
     t_all = time.perf_counter()
     model_kwargs = {k: getattr(a, k) for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads")}
     model_kwargs["intermediate_size"] = a.intermediate_size
