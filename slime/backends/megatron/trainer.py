@@ -178,9 +178,12 @@ class MegatronTrainer:
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
         mbs = self._microbatches(data)
-        if not args.use_rollout_logprobs or args.get_mismatch_metrics:
+        # sft_loss reads only the live forward's log-probs, so the old-policy pass would be a wasted forward.
+        needs_old = getattr(args, "loss_type", "policy_loss") != "sft_loss"
+        recompute = needs_old and (not args.use_rollout_logprobs or args.get_mismatch_metrics)
+        if recompute:
             self._compute_logprobs(mbs, "log_probs")
-        elif "rollout_log_probs" in data:
+        elif needs_old and "rollout_log_probs" in data:
             for mb in mbs:
                 mb["log_probs"] = [
                     torch.tensor(x, dtype=torch.float32, device=_device()) for x in mb["rollout_log_probs"]
@@ -193,7 +196,7 @@ class MegatronTrainer:
         for mb in mbs:
             self._prepare_batch(mb)
         metrics: dict[str, float] = {}
-        if "rollout_log_probs" in data and (not args.use_rollout_logprobs or args.get_mismatch_metrics):
+        if "rollout_log_probs" in data and recompute:
             # the mean train_rollout_logprob_abs_diff hides one wrong position; the max over trained tokens does not
             metrics["train/train_rollout_logprob_abs_diff_max"] = self._max_rollout_logprob_diff(mbs)
         step_start = 0
