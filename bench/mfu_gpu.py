@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import tempfile
 import time
 from types import SimpleNamespace
 
 import torch
+
+from slime.utils.http_utils import find_free_port
 
 PEAK = 989e12
 SHAPES = {
@@ -22,12 +23,6 @@ SHAPES = {
     "1.8B": (2048, 24, 16, 16, 5504, 151936),
     "0.5B": (1024, 24, 16, 16, 2816, 151936),
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -59,7 +54,7 @@ def main() -> None:
                            expert_model_parallel_size=1, expert_tensor_parallel_size=None, sequence_parallel=False,
                            bf16=True, recompute_granularity=None, distributed_backend=None,
                            distributed_timeout_minutes=10, seed=1234, custom_megatron_init_path=None)  # fmt: skip
-    init_distributed(args, 0, 1, "127.0.0.1", _free_port())
+    init_distributed(args, 0, 1, "127.0.0.1", find_free_port())
     init_megatron(args)
     spec = read_hf_config(d)
     model = build_gpt_model(args, spec).cuda()

@@ -40,6 +40,8 @@ ACTIONS = ("checksum", "snapshot", "reset_tensors", "compare")
 NON_PERSISTENT_PATTERNS = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis", "expert_mask_gpu")
 
 
+# The two hashes below are written from SGLang's source, not imported from the trainer-side twin
+# (slime.backends.megatron.weight_hash): the fake plays the engine, so agreement between the two is a check.
 def tensor_checksum(t: torch.Tensor) -> str:
     """SGLang's CPU `tensor_hash` as 16 hex digits: SHA-256 of the raw bytes, first 8 bytes, big-endian."""
     t = t.detach().to("cpu").contiguous()

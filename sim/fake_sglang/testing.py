@@ -5,18 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from slime.utils.http_utils import find_free_port
 
 
 @dataclass
@@ -44,7 +39,7 @@ def launch_fake_sglang(
     args: list[str], *, module: str = "sim.fake_sglang", timeout: float = 90.0
 ) -> Iterator[Launched]:
     """Run ``python -m <module> --host 127.0.0.1 --port <free> <args>``; yield once it printed its ready line."""
-    port = free_port()
+    port = find_free_port()
     cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), *args]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True, env=env)

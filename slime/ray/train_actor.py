@@ -17,13 +17,13 @@ import hashlib
 import logging
 import os
 import pickle
-import socket
 from argparse import Namespace
 from typing import Any
 
 import ray
 
 from slime.ray.placement import Placement
+from slime.utils.http_utils import find_free_port
 
 logger = logging.getLogger(__name__)
 
@@ -237,12 +237,6 @@ def _node_ip() -> str:
         return "127.0.0.1"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RayTrainGroup:
     """`actor_num_nodes * actor_num_gpus_per_node` train actors on the first bundles of the placement group."""
 
@@ -251,7 +245,7 @@ class RayTrainGroup:
         n = args.actor_num_nodes * args.actor_num_gpus_per_node
         if args.debug_rollout_only:
             n = min(n, len(placement.bundle_indices))
-        port = _free_port()
+        port = find_free_port()
         cls = ray.remote(TrainRayActor)
         self.actors = [
             cls.options(num_gpus=TRAIN_ACTOR_GPU, num_cpus=0.01, scheduling_strategy=placement.strategy(i)).remote(

@@ -12,15 +12,9 @@ import random
 import pytest
 import torch
 
+from slime.utils.http_utils import find_free_port
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +46,7 @@ def trainer_and_ckpt(tmp_path_factory):
             "0.7",
         ]  # fmt: skip
     )
-    trainer = MegatronTrainer(args, 0, 1, "127.0.0.1", _free_port())
+    trainer = MegatronTrainer(args, 0, 1, "127.0.0.1", find_free_port())
     return trainer, ckpt, args
 
 

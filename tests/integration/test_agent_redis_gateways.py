@@ -23,8 +23,8 @@ import httpx
 import pytest
 
 from sim.fake_sglang.scripted_engine import scripted_logprob
-from sim.fake_sglang.testing import free_port, launch_fake_sglang, stop_process
-from slime.utils.http_utils import wait_for_http
+from sim.fake_sglang.testing import launch_fake_sglang, stop_process
+from slime.utils.http_utils import find_free_port, wait_for_http
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cluster")]
 
@@ -43,7 +43,7 @@ def redis_url() -> Iterator[str]:
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("redis-server not installed (apt-get install -y redis-server)")
-    port = free_port()
+    port = find_free_port()
     cmd = [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -68,7 +68,7 @@ def redis_url() -> Iterator[str]:
 
 
 def start_gateway(engine_url: str, ckpt: Path, store: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+    port = find_free_port()
     cmd = [sys.executable, "-m", "slime.cli", "gateway", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--engine-url", engine_url, "--hf-checkpoint", str(ckpt), "--admin-token", ADMIN, "--store", store]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=True)

@@ -19,6 +19,7 @@ from sim.fake_sglang.testing import launch_fake_sglang
 from slime.agent.gateway import Gateway
 from slime.agent.trajectory import segment_to_json
 from slime.utils.async_utils import run
+from slime.utils.http_utils import find_free_port
 
 pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("cluster")]
 
@@ -342,9 +343,9 @@ def test_slime_gateway_cli(stack: Stack) -> None:
     import subprocess
     import sys
 
-    from sim.fake_sglang.testing import free_port, stop_process
+    from sim.fake_sglang.testing import stop_process
 
-    port = free_port()
+    port = find_free_port()
     engine_url = stack.gw.engine.url
     ckpt = stack.gw.tokenizer.name_or_path
     cmd = [sys.executable, "-m", "slime.cli", "gateway", "--host", "127.0.0.1", "--port", str(port)]

@@ -19,8 +19,9 @@ import httpx
 import psutil
 import pytest
 
-from sim.fake_sglang.testing import free_port, launch_fake_sglang
+from sim.fake_sglang.testing import launch_fake_sglang
 from slime.backends.sglang.router import RouterProcess
+from slime.utils.http_utils import find_free_port
 
 pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("cluster")]
 
@@ -47,7 +48,7 @@ def _fake(cfg: Path, log: Path, *extra: str):
 
 def test_real_router_pd_pairs_every_decode_with_one_prefill(tmp_path, synthetic_config):
     assert importlib.metadata.version("sglang-router") == "0.3.2"
-    boot = free_port()
+    boot = find_free_port()
     args = types.SimpleNamespace(router_policy="round_robin")
     logs = {n: tmp_path / f"{n}.jsonl" for n in ("prefill", "decode0", "decode1")}
     with contextlib.ExitStack() as stack:
@@ -62,7 +63,7 @@ def test_real_router_pd_pairs_every_decode_with_one_prefill(tmp_path, synthetic_
             for i in range(2)
         ]
         router = RouterProcess.start(
-            args, host="127.0.0.1", port=free_port(), pd=True, log_file=str(tmp_path / "r.log")
+            args, host="127.0.0.1", port=find_free_port(), pd=True, log_file=str(tmp_path / "r.log")
         )
         stack.callback(router.stop)
         proc = psutil.Process(router.pid)  # the real router retitles itself sglang::router

@@ -11,22 +11,17 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
+from slime.utils.http_utils import find_free_port
+
 pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cluster")]
 
 SHIM = "sim.fake_megatron.cpu_shim.apply"
 SEQS = [[5, 9, 33, 100, 7, 8, 200, 3], [11, 12, 13], [300, 2, 2, 2, 41, 17]]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, ckpt: str, out: str, port: int) -> None:
@@ -68,7 +63,7 @@ def test_save_hf_loads_in_transformers_with_trainer_logits(tmp_path):
     from sim.tiny_checkpoint import build_tiny_checkpoint
 
     ckpt = str(build_tiny_checkpoint(tmp_path / "model"))
-    mp.spawn(_worker, args=(ckpt, str(tmp_path), _free_port()), nprocs=2)
+    mp.spawn(_worker, args=(ckpt, str(tmp_path), find_free_port()), nprocs=2)
     out = tmp_path / "hf_0"
     assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
     index = json.loads((out / "model.safetensors.index.json").read_text())

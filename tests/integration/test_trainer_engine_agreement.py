@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from slime.utils.http_utils import find_free_port
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cluster")]
 
@@ -30,12 +31,6 @@ TOL = 1e-3
 BUCKET = 64 * 1024  # small buckets: every sync sends several /update_weights_from_tensor calls
 PROMPTS = ["Reverse the digits: 4817263", "What is the answer? The answer is", "def main(): return"]
 N_SAMPLES = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _build_checkpoint(out: Path) -> Path:
@@ -183,7 +178,9 @@ def agreement(tmp_path_factory):
     with launch_fake_sglang(engine_args) as server:
         # A plain blocking join (waitpid): torch's spawn helper waits on a pipe that torch_shm_manager, started
         # by the worker's file_system tensor sharing, inherits and keeps open while the engine holds shm handles.
-        proc = mp.get_context("spawn").Process(target=_worker, args=(0, str(ckpt), server.url, _free_port(), str(out)))
+        proc = mp.get_context("spawn").Process(
+            target=_worker, args=(0, str(ckpt), server.url, find_free_port(), str(out))
+        )
         proc.start()
         try:
             proc.join()

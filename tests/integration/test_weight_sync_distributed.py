@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from slime.utils.http_utils import find_free_port
 
 pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("cluster")]
 
@@ -31,12 +32,6 @@ BUCKET = 64 * 1024  # several buckets per sync
 PROMPTS = [[5, 17, 42, 99, 7, 3], [11, 12, 13, 14], [40, 41, 2, 9, 9, 60, 70]]
 N_SAMPLES = 2
 TOL = 1e-3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +131,7 @@ def test_tp2_trainer_syncs_heterogeneous_engines(ckpt, engines, tmp_path):
 
     out = tmp_path / "res.json"
     t0 = time.time()
-    mp.spawn(_worker, args=(ckpt, [(u, k, str(p)) for u, k, p in engines], _free_port(), str(out)), nprocs=2)
+    mp.spawn(_worker, args=(ckpt, [(u, k, str(p)) for u, k, p in engines], find_free_port(), str(out)), nprocs=2)
     res = json.loads(out.read_text())
     # parity: rollout 0 on the initial weights, rollout 1 on the weights of sync 1 (from the other engine)
     for m in res["train"]:

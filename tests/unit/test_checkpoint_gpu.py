@@ -10,19 +10,14 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
+from slime.utils.http_utils import find_free_port
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _samples(vocab: int, rollout_id: int) -> list:
@@ -108,8 +103,8 @@ def test_bf16_distributed_optimizer_round_trip(tmp_path):
     from sim.tiny_checkpoint import build_tiny_checkpoint
 
     ckpt = str(build_tiny_checkpoint(tmp_path / "model", hidden_size=128))
-    mp.spawn(_worker, args=("save", ckpt, str(tmp_path), _free_port()), nprocs=1)
-    mp.spawn(_worker, args=("load", ckpt, str(tmp_path), _free_port()), nprocs=1)
+    mp.spawn(_worker, args=("save", ckpt, str(tmp_path), find_free_port()), nprocs=1)
+    mp.spawn(_worker, args=("load", ckpt, str(tmp_path), find_free_port()), nprocs=1)
     r = json.loads((tmp_path / "result.json").read_text())
     assert r["meta"] is True
     assert r["diffs"] == {"model": 0.0, "param": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}, r

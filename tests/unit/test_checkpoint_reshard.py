@@ -14,22 +14,17 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
+from slime.utils.http_utils import find_free_port
+
 pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cluster")]
 
 SHIM = "sim.fake_megatron.cpu_shim.apply"
 OPTIMIZERS = {"plain": "--no-use-distributed-optimizer", "distributed": "--use-distributed-optimizer"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _samples(vocab: int, rollout_id: int) -> list:
@@ -162,8 +157,8 @@ def test_dp2_checkpoint_resumes_with_dp1(tmp_path):
     from sim.tiny_checkpoint import build_tiny_checkpoint
 
     ckpt = str(build_tiny_checkpoint(tmp_path / "model"))
-    mp.spawn(_worker, args=(2, _free_port(), ckpt, str(tmp_path)), nprocs=2)
-    mp.spawn(_worker, args=(1, _free_port(), ckpt, str(tmp_path)), nprocs=1)
+    mp.spawn(_worker, args=(2, find_free_port(), ckpt, str(tmp_path)), nprocs=2)
+    mp.spawn(_worker, args=(1, find_free_port(), ckpt, str(tmp_path)), nprocs=1)
     for kind in OPTIMIZERS:
         r = json.loads((tmp_path / f"result_{kind}.json").read_text())
         assert r["meta_dp"] == 2 and r["same_names"]
@@ -216,6 +211,6 @@ def test_bf16_mixed_group_distributed_optimizer_round_trip(tmp_path):
     from sim.tiny_checkpoint import build_tiny_checkpoint
 
     ckpt = str(build_tiny_checkpoint(tmp_path / "model", hidden_size=128))
-    mp.spawn(_bf16_worker, args=("save", ckpt, str(tmp_path), _free_port()), nprocs=1)
-    mp.spawn(_bf16_worker, args=("load", ckpt, str(tmp_path), _free_port()), nprocs=1)
+    mp.spawn(_bf16_worker, args=("save", ckpt, str(tmp_path), find_free_port()), nprocs=1)
+    mp.spawn(_bf16_worker, args=("load", ckpt, str(tmp_path), find_free_port()), nprocs=1)
     assert json.loads((tmp_path / "bf16_result.json").read_text()) == {"equal": True, "steps": [3.0]}

@@ -9,12 +9,13 @@ to a file; the tests below assert on them.
 from __future__ import annotations
 
 import os
-import socket
 import types
 from pathlib import Path
 
 import pytest
 import torch
+
+from slime.utils.http_utils import find_free_port
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cluster")]
 
@@ -172,12 +173,6 @@ def _collectives(ps) -> dict:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     import torch.multiprocessing as mp
@@ -188,7 +183,7 @@ def results(tmp_path_factory):
         _build_checkpoint(root / name, cls_name, kw)
         ckpts[name] = str(root / name)
     ctx = mp.start_processes(
-        _worker, args=(2, _free_port(), ckpts, str(root)), nprocs=2, join=False, start_method="spawn"
+        _worker, args=(2, find_free_port(), ckpts, str(root)), nprocs=2, join=False, start_method="spawn"
     )
     try:
         while not ctx.join(timeout=300):

@@ -21,11 +21,12 @@ from __future__ import annotations
 import copy
 import os
 import random
-import socket
 from pathlib import Path
 
 import pytest
 import torch
+
+from slime.utils.http_utils import find_free_port
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cluster")]
 
@@ -129,12 +130,6 @@ def _worker(rank: int, ports: list[int], ckpt: str, out_dir: str) -> None:
     _train_layout(rank, 2, ports[1], ckpt, 2, os.path.join(out_dir, "tp2.pt"))
     if rank == 0:  # the single-rank run: a world of its own
         _train_layout(0, 1, ports[2], ckpt, 1, os.path.join(out_dir, "tp1.pt"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------- simulated dp=2 and the reference loop
@@ -251,7 +246,11 @@ def runs(tmp_path_factory):
     ckpt = str(root / "model")
     _build_checkpoint(Path(ckpt))
     ctx = mp.start_processes(
-        _worker, args=([_free_port() for _ in range(3)], ckpt, str(root)), nprocs=2, join=False, start_method="spawn"
+        _worker,
+        args=([find_free_port() for _ in range(3)], ckpt, str(root)),
+        nprocs=2,
+        join=False,
+        start_method="spawn",
     )
     try:
         while not ctx.join(timeout=300):

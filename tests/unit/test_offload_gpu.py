@@ -8,23 +8,18 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
-import socket
 from pathlib import Path
 
 import pytest
 import torch
+
+from slime.utils.http_utils import find_free_port
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.skipif(importlib.util.find_spec("torch_memory_saver") is None, reason="needs torch_memory_saver"),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, ckpt: str, out: str, port: int) -> None:
@@ -78,7 +73,7 @@ def test_sleep_frees_memory_and_wake_restores(tmp_path):
 
     ckpt = str(build_tiny_checkpoint(tmp_path / "model", hidden_size=256, num_layers=4, intermediate_size=1024))
     out = tmp_path / "res.json"
-    mp.spawn(_worker, args=(ckpt, str(out), _free_port()), nprocs=1)
+    mp.spawn(_worker, args=(ckpt, str(out), find_free_port()), nprocs=1)
     r = json.loads(out.read_text())
     assert r["train0"] == 1.0 and r["train1"] == 1.0
     assert r["events"] == ["sleep", "wake_up"]

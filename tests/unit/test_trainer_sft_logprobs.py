@@ -9,20 +9,15 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 from pathlib import Path
 
 import pytest
 
+from slime.utils.http_utils import find_free_port
+
 pytestmark = pytest.mark.cpu
 
 SHIM = "sim.fake_megatron.cpu_shim.apply"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, ckpt: str, out: str) -> None:
@@ -84,7 +79,7 @@ def test_sft_skips_old_logprob_pass(tmp_path):
 
     ckpt = str(build_tiny_checkpoint(tmp_path / "model"))
     out = tmp_path / "result.json"
-    mp.spawn(_worker, args=(_free_port(), ckpt, str(out)), nprocs=1)
+    mp.spawn(_worker, args=(find_free_port(), ckpt, str(out)), nprocs=1)
     r = json.loads(out.read_text())
     assert r["sft_loss"]["filled"] == [], r["sft_loss"]
     assert r["policy_loss"]["filled"] == ["log_probs"], r["policy_loss"]
