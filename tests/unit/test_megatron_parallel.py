@@ -182,16 +182,8 @@ def results(tmp_path_factory):
     for name, (cls_name, kw) in VARIANTS.items():
         _build_checkpoint(root / name, cls_name, kw)
         ckpts[name] = str(root / name)
-    ctx = mp.start_processes(
-        _worker, args=(2, find_free_port(), ckpts, str(root)), nprocs=2, join=False, start_method="spawn"
-    )
-    try:
-        while not ctx.join(timeout=300):
-            pass
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    # daemon: should the test be interrupted, the ranks die with it (a failing rank makes spawn stop the other)
+    mp.spawn(_worker, args=(2, find_free_port(), ckpts, str(root)), nprocs=2, daemon=True)
     from safetensors.torch import load_file
 
     return {

@@ -245,20 +245,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("reducer_dp")
     ckpt = str(root / "model")
     _build_checkpoint(Path(ckpt))
-    ctx = mp.start_processes(
-        _worker,
-        args=([find_free_port() for _ in range(3)], ckpt, str(root)),
-        nprocs=2,
-        join=False,
-        start_method="spawn",
-    )
-    try:
-        while not ctx.join(timeout=300):
-            pass
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    # daemon: should the test be interrupted, the ranks die with it (a failing rank makes spawn stop the other)
+    mp.spawn(_worker, args=([find_free_port() for _ in range(3)], ckpt, str(root)), nprocs=2, daemon=True)
     vocab = read_hf_config(ckpt).vocab_size
     args = _args(ckpt, 1)
     return {
