@@ -24,6 +24,7 @@ import logging
 import shlex
 import subprocess
 import sys
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -120,11 +121,12 @@ def run(a: argparse.Namespace) -> None:
         {"params": [q for q in params if q.dim() > 1], "weight_decay": 0.01},
         {"params": [q for q in params if q.dim() <= 1], "weight_decay": 0.0},
     ]
-    opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.999), eps=a.eps)
+    opt = torch.optim.AdamW(groups, lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / a.warmup) if a.warmup else 1.0)
     order = torch.randperm(len(task.train), generator=torch.Generator().manual_seed(a.seed)).tolist()
     coin = torch.Generator().manual_seed(a.seed + 1)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
     with open(a.out, "w") as log:
         for step in tqdm(range(a.steps + 1), desc=Path(a.out).stem, disable=a.quiet):
             if step % 5 == 0:
@@ -135,7 +137,7 @@ def run(a: argparse.Namespace) -> None:
                 rec = {"kind": "eval", "step": step, "eval": sum(rew) / len(rew), "truncated": sum(tr) / len(tr)}
                 log.write(json.dumps(rec) + "\n")
                 log.flush()
-            if step == a.steps:
+            if step == a.steps or (step % 5 == 0 and a.max_seconds and time.monotonic() - t0 > a.max_seconds):
                 break
             batch = [task.train[order[(step * a.batch + i) % len(order)]] for i in range(a.batch)]
             model.eval()
@@ -150,42 +152,64 @@ def run(a: argparse.Namespace) -> None:
             adv = ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-6)).view(-1).float()
             lp, m = token_logps(model, task, ps, rs)
             x = -adv[:, None] * lp  # on-policy, one step per rollout: the PPO ratio is 1, its gradient is ∇logp
+            kl = torch.zeros(())
             if ref is not None:
                 with torch.no_grad():
                     rlp, _ = token_logps(ref, task, ps, rs)
                 d = (rlp - lp).clamp(-20, 20)
-                x = x + a.kl * (torch.exp(d) - d - 1).clamp(-10, 10)  # low_var_kl (k3, clamped)
-            loss = ((x * m).sum(1) / m.sum(1).clamp(min=1)).mean()
+                k3 = (torch.exp(d) - d - 1).clamp(-10, 10)  # low_var_kl (k3, clamped)
+                x = x + a.kl * k3
+                kl = (k3 * m).sum().detach() / m.sum()
+            if a.per_token:  # one token mean over the whole batch (slime's --calculate-per-token-loss)
+                loss = (x * m).sum() / m.sum().clamp(min=1)
+            else:  # mean over samples of each sample's token mean
+                loss = ((x * m).sum(1) / m.sum(1).clamp(min=1)).mean()
             opt.zero_grad()
             loss.backward()
-            gn = torch.nn.utils.clip_grad_norm_(params, 1.0)
+            gn = torch.nn.utils.clip_grad_norm_(params, a.clip_grad)
             opt.step()
             sched.step()
-            rec = {"kind": "train", "step": step, "reward": float(r.mean()), "grad_norm": float(gn)}
+            rec = {"kind": "train", "step": step, "reward": float(r.mean()), "grad_norm": float(gn),
+                   "kl": float(kl), "response_len": float(m.sum(1).mean())}  # fmt: skip
             log.write(json.dumps({**rec, "truncated": sum(tr) / len(tr)}) + "\n")
 
 
+def _evals(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in path.read_text().splitlines() if '"eval"' in x]
+
+
 def summarise(out_dir: Path, target: float = 0.9, tol: float = 0.05) -> list[dict[str, Any]]:
-    """Per config: first step at the target (toy reward) and the random run's max |eval - start| up to it."""
+    """Per config: first step at the target (toy reward); each random run's max |eval - start| up to that step
+    and over the whole run (random runs are `__random.jsonl` or `__random_s<seed>.jsonl`)."""
     rows = []
-    for toy in sorted(out_dir.glob("*__toy.jsonl")):
-        name = toy.name.removesuffix("__toy.jsonl")
-        curve = [json.loads(x) for x in toy.read_text().splitlines() if '"eval"' in x]
-        rnd_path = out_dir / f"{name}__random.jsonl"
-        rnd = [json.loads(x) for x in rnd_path.read_text().splitlines() if '"eval"' in x] if rnd_path.exists() else []
+    for name in sorted({f.name.split("__")[0] for f in out_dir.glob("*__*.jsonl")}):
+        toy = out_dir / f"{name}__toy.jsonl"
+        curve = _evals(toy) if toy.exists() else []
         first = next((e["step"] for e in curve if e["eval"] >= target), None)
-        horizon = first if first is not None else (curve[-1]["step"] if curve else 0)
-        dev = max((abs(e["eval"] - rnd[0]["eval"]) for e in rnd if e["step"] <= horizon), default=None)
+        horizon = first if first is not None else (curve[-1]["step"] if curve else float("inf"))
+        devs_h, devs_full = [], []
+        for rnd_path in sorted(out_dir.glob(f"{name}__random*.jsonl")):
+            rnd = _evals(rnd_path)
+            if rnd:
+                devs_h.append(max(abs(e["eval"] - rnd[0]["eval"]) for e in rnd if e["step"] <= horizon))
+                devs_full.append(max(abs(e["eval"] - rnd[0]["eval"]) for e in rnd))
         rows.append(
             {"config": name, "start": curve[0]["eval"] if curve else None, "final": curve[-1]["eval"] if curve else None,
              "steps": curve[-1]["step"] if curve else 0, "first_step_at_target": first,
-             "random_max_abs_dev_to_horizon": dev, "random_within_tol": dev is not None and dev <= tol}
+             "random_runs": len(devs_full),
+             "random_max_abs_dev_to_horizon": max(devs_h, default=None),
+             "random_max_abs_dev_full": max(devs_full, default=None),
+             "random_dev_full_per_seed": [round(d, 3) for d in devs_full],
+             "random_within_tol": bool(devs_full) and max(devs_full) <= tol}
         )  # fmt: skip
-    print(f"{'config':<28} {'start':>6} {'final':>6} {'steps':>5} {'>=tgt':>6} {'rnd dev':>8}")
+    print(f"{'config':<34} {'start':>6} {'final':>6} {'steps':>5} {'>=tgt':>6} {'rnd dev (horizon/full, per seed)'}")
     for r in rows:
-        dev = f"{r['random_max_abs_dev_to_horizon']:.3f}" if r["random_max_abs_dev_to_horizon"] is not None else "-"
-        print(f"{r['config']:<28} {r['start'] or 0:>6.3f} {r['final'] or 0:>6.3f} {r['steps']:>5} "
-              f"{str(r['first_step_at_target']):>6} {dev:>8}")  # fmt: skip
+        dev = "-"
+        if r["random_runs"]:
+            dev = f"{r['random_max_abs_dev_to_horizon']:.3f}/{r['random_max_abs_dev_full']:.3f} "
+            dev += str(r["random_dev_full_per_seed"])
+        print(f"{r['config']:<34} {r['start'] or 0:>6.3f} {r['final'] or 0:>6.3f} {r['steps']:>5} "
+              f"{str(r['first_step_at_target']):>6} {dev}")  # fmt: skip
     (out_dir / "summary.json").write_text(json.dumps(rows, indent=1) + "\n")
     return rows
 
@@ -194,11 +218,14 @@ def sweep(a: argparse.Namespace) -> None:
     lines = [x.split(None, 1) for x in Path(a.sweep).read_text().splitlines() if x.strip() and not x.startswith("#")]
     jobs = []
     for name, *rest in lines:
-        for reward in ("toy", "random"):
-            out = Path(a.out_dir) / f"{name}__{reward}.jsonl"
+        runs = [("toy", "toy", 0)] * (not a.no_toy) + [
+            ("random", "random" if a.random_seeds == 1 else f"random_s{k}", k) for k in range(a.random_seeds)
+        ]
+        for reward, tag, seed in runs:
+            out = Path(a.out_dir) / f"{name}__{tag}.jsonl"
             jobs.append([sys.executable, "-m", "bench.toy_grpo_reference", "--checkpoint", a.checkpoint,
                          "--steps", str(a.steps), "--reward", reward, "--out", str(out), "--quiet",
-                         *shlex.split(rest[0] if rest else "")])  # fmt: skip
+                         "--seed", str(seed), "--max-seconds", str(a.max_seconds), *shlex.split(rest[0] if rest else "")])  # fmt: skip
     with ThreadPoolExecutor(a.jobs) as pool, tqdm(total=len(jobs), desc="sweep") as bar:
         for rc in pool.map(lambda cmd: subprocess.run(cmd, cwd=ROOT).returncode, jobs):
             bar.update(1)
@@ -215,6 +242,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reward", choices=["toy", "random"], default="toy")
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--eps", type=float, default=1e-8)
+    p.add_argument("--beta1", type=float, default=0.9)
+    p.add_argument("--beta2", type=float, default=0.999)
+    p.add_argument("--clip-grad", type=float, default=1.0)
+    p.add_argument("--per-token", action="store_true", help="token mean over the batch, not per sample")
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--kl", type=float, default=0.2)
     p.add_argument("--batch", type=int, default=64, help="prompts per step")
@@ -223,9 +254,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--max-seconds", type=float, default=0, help="stop (after an eval) once this much wall time passed")
     p.add_argument("--sweep", help="file of 'name flags' lines")
     p.add_argument("--out-dir", default="runs/toy_grpo_reference")
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--no-toy", action="store_true", help="sweep only the random-reward runs")
+    p.add_argument("--random-seeds", type=int, default=1, help="random-reward runs per config (seeds 0..N-1)")
     p.add_argument("--summarise", help="print and write the summary of a sweep directory")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

@@ -10,8 +10,9 @@ real router, weight sync after every rollout), run as a subprocess whose `metric
    HF checkpoint every `--sft-eval-interval` steps; stopped at the first eval inside `--band` (default
    [0.5, 0.6]), whose checkpoint is the RL start.
 2. **GRPO** from that checkpoint (`--n-samples-per-prompt`, `--rollout-temperature 1.0`, a low_var_kl loss to the
-   checkpoint: without it the random-reward control collapses, docs/performance.md), stopped at the first
-   eval ≥ `--target` (or after `--rl-max-steps`).
+   checkpoint: without it the random-reward control collapses; Adam ε 1e-3, `--clip-grad 0.2` and
+   `--calculate-per-token-loss`: without them it makes rare, abrupt excursions — docs/performance.md),
+   stopped at the first eval ≥ `--target` (or after `--rl-max-steps`).
 3. **Controls** for the same number of steps from the same checkpoint, identical flags except: `--lr 0`;
    `--rm-type random` (no `--custom-rm-path`: its eval rows are scored by `bench/toy_reward_server.py` through
    `remote_rm`, so every run reports the same toy reward).
@@ -150,8 +151,10 @@ def rl_flags(a: argparse.Namespace, checkpoint: Path, train: Path, num_rollout: 
         "--global-batch-size", str(a.rl_batch * a.n_samples), "--num-rollout", str(num_rollout),
         "--eval-interval", str(a.rl_eval_interval), "--advantage-estimator", "grpo",
         "--n-samples-per-eval-prompt", str(a.n_samples_per_eval_prompt),
-        "--adam-eps", str(a.rl_adam_eps), "--lr-warmup-iters", str(a.rl_lr_warmup),
+        "--adam-eps", str(a.rl_adam_eps), "--lr-warmup-iters", str(a.rl_lr_warmup), "--clip-grad", str(a.rl_clip_grad),
     ]  # fmt: skip
+    if a.rl_per_token_loss:
+        flags.append("--calculate-per-token-loss")
     if a.kl_loss_coef:
         flags += ["--use-kl-loss", "--kl-loss-coef", str(a.kl_loss_coef), "--kl-loss-type", "low_var_kl"]
     return flags
@@ -225,19 +228,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--band", type=float, nargs=2, default=[0.5, 0.6])
     g.add_argument("--sft-eval-samples-per-prompt", type=int, default=1)
     g = p.add_argument_group("RL (GRPO and the controls)")
-    g.add_argument("--rl-lr", type=float, default=5e-4)
-    g.add_argument("--rl-adam-eps", type=float, default=1e-8)
+    g.add_argument("--rl-lr", type=float, default=1e-3)
+    g.add_argument("--rl-adam-eps", type=float, default=1e-3, help="large: parameters with tiny gradients stay put")
+    g.add_argument("--rl-clip-grad", type=float, default=0.2, help="below the usual grad norm: bounds every step")
+    g.add_argument(
+        "--rl-per-token-loss",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--calculate-per-token-loss: short answers get no larger per-token weight than long ones",
+    )
     g.add_argument("--rl-lr-warmup", type=int, default=30, help="--lr-warmup-iters of the RL runs")
     g.add_argument("--kl-loss-coef", type=float, default=0.2, help="low_var_kl to the RL start checkpoint")
     g.add_argument("--rl-batch", type=int, default=64, help="prompts per rollout (one optimizer step each)")
     g.add_argument("--n-samples", type=int, default=8, help="--n-samples-per-prompt")
-    g.add_argument("--rl-max-steps", type=int, default=200)
+    g.add_argument("--rl-max-steps", type=int, default=300)
     g.add_argument("--rl-eval-interval", type=int, default=5)
     g.add_argument("--target", type=float, default=0.9)
     g.add_argument("--control-tolerance", type=float, default=0.05)
     g.add_argument("--skip-controls", action="store_true")
     g = p.add_argument_group("execution")
-    g.add_argument("--n-samples-per-eval-prompt", type=int, default=2, help="RL evals (SFT: see above)")
+    g.add_argument(
+        "--n-samples-per-eval-prompt", type=int, default=8, help="RL evals (SFT: see above); eval noise ~0.0045"
+    )
     g.add_argument("--rollout-num-gpus", type=int, default=2, help="fake engines (each a process)")
     g.add_argument("--max-tokens-per-gpu", type=int, default=8192)
     g.add_argument(
