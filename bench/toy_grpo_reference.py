@@ -6,7 +6,8 @@ It shares no code with slime's trainer, rollout or losses (only the toy reward),
     .venv/bin/python -m bench.toy_grpo_reference --checkpoint runs/toy_learning/sft/hf_79 --out runs/ref/a.jsonl \
         [--reward toy|random] [--lr 5e-4 --warmup 30 --kl 0.2 ...]
     .venv/bin/python -m bench.toy_grpo_reference --sweep bench/toy_grpo_sweep.txt --out-dir runs/ref --jobs 2 \
-        --checkpoint ... [--steps 120]      # every line "name flags", each run with the toy and the random reward
+        --checkpoint ... [--steps 120] [--random-seeds 4] [--no-toy] [--max-seconds 400]
+        # every line "name flags": one run with the toy reward, --random-seeds runs with a fair coin
     .venv/bin/python -m bench.toy_grpo_reference --summarise runs/ref
 
 The recipe mirrors the bench's RL runs: prompts through the chat template, T=1.0 sampling, stop on the
@@ -210,6 +211,7 @@ def summarise(out_dir: Path, target: float = 0.9, tol: float = 0.05) -> list[dic
             dev += str(r["random_dev_full_per_seed"])
         print(f"{r['config']:<34} {r['start'] or 0:>6.3f} {r['final'] or 0:>6.3f} {r['steps']:>5} "
               f"{str(r['first_step_at_target']):>6} {dev}")  # fmt: skip
+    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.json").write_text(json.dumps(rows, indent=1) + "\n")
     return rows
 
@@ -218,9 +220,8 @@ def sweep(a: argparse.Namespace) -> None:
     lines = [x.split(None, 1) for x in Path(a.sweep).read_text().splitlines() if x.strip() and not x.startswith("#")]
     jobs = []
     for name, *rest in lines:
-        runs = [("toy", "toy", 0)] * (not a.no_toy) + [
-            ("random", "random" if a.random_seeds == 1 else f"random_s{k}", k) for k in range(a.random_seeds)
-        ]
+        runs = [] if a.no_toy else [("toy", "toy", 0)]
+        runs += [("random", "random" if a.random_seeds == 1 else f"random_s{k}", k) for k in range(a.random_seeds)]
         for reward, tag, seed in runs:
             out = Path(a.out_dir) / f"{name}__{tag}.jsonl"
             jobs.append([sys.executable, "-m", "bench.toy_grpo_reference", "--checkpoint", a.checkpoint,

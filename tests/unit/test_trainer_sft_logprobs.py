@@ -68,7 +68,7 @@ def _worker(rank: int, port: int, ckpt: str, out: str) -> None:
         result[loss_type] = {"filled": filled, "loss": metrics["train/loss"], "expected_sft": expected,
                              "grad_norm": metrics["train/grad_norm"]}  # fmt: skip
         destroy_megatron()
-        port += 1
+        port = find_free_port()
     Path(out).write_text(json.dumps(result))
 
 
