@@ -70,7 +70,8 @@ class Task:
 @torch.no_grad()
 def sample(model: Any, task: Task, prompts: list[list[int]], n: int, seed: int) -> tuple[list, list, list]:
     """n samples per prompt at T=1 with a KV cache; returns (prompts, responses incl. EOS, truncated flags)."""
-    gen = torch.Generator().manual_seed(seed)
+    dev = model.device
+    gen = torch.Generator(device=dev).manual_seed(seed)
     ps = [p for p in prompts for _ in range(n)]
     b, width = len(ps), max(len(p) for p in ps)
     ids = torch.full((b, width), task.pad)
@@ -78,10 +79,11 @@ def sample(model: Any, task: Task, prompts: list[list[int]], n: int, seed: int) 
     for i, p in enumerate(ps):  # left padding, positions counted from each prompt's first token
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
+    ids, mask = ids.to(dev), mask.to(dev)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-    eos = torch.tensor(task.eos)
-    done = torch.zeros(b, dtype=torch.bool)
+    eos = torch.tensor(task.eos, device=dev)
+    done = torch.zeros(b, dtype=torch.bool, device=dev)
     steps, last = [], pos[:, -1:]
     for _ in range(MAX_NEW):
         t = torch.multinomial(torch.softmax(out.logits[:, -1].float(), -1), 1, generator=gen).squeeze(1)
@@ -89,7 +91,7 @@ def sample(model: Any, task: Task, prompts: list[list[int]], n: int, seed: int) 
         done |= torch.isin(t, eos)
         if bool(done.all()):
             break
-        mask, last = torch.cat([mask, torch.ones((b, 1), dtype=torch.long)], 1), last + 1
+        mask, last = torch.cat([mask, torch.ones((b, 1), dtype=torch.long, device=dev)], 1), last + 1
         out = model(input_ids=t[:, None], attention_mask=mask, position_ids=last, past_key_values=out.past_key_values)
     resps = [[x for x in row if x >= 0] for row in torch.stack(steps, 1).tolist()]
     return ps, resps, [not (r and r[-1] in task.eos) for r in resps]
@@ -104,6 +106,7 @@ def token_logps(model: Any, task: Task, ps: list, rs: list) -> tuple[torch.Tenso
         ids[i, : lens[i]] = torch.tensor(p + r)
         resp[i, len(p) : lens[i]] = 1
     att = (torch.arange(ids.shape[1])[None] < torch.tensor(lens)[:, None]).long()
+    ids, resp, att = ids.to(model.device), resp.to(model.device), att.to(model.device)
     logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
     return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1), resp[:, 1:]
 
@@ -115,14 +118,17 @@ def run(a: argparse.Namespace) -> None:
     warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)  # still accepted
     ckpt = Path(a.checkpoint)
     task = Task(ckpt, Path(a.data_dir) if a.data_dir else ckpt.parents[1] / "assets" / "data")
-    model = Qwen2ForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
-    ref = Qwen2ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval() if a.kl else None
+    model = Qwen2ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).to(a.device)
+    ref = Qwen2ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).to(a.device).eval() if a.kl else None
     params = list(model.parameters())
     groups = [
         {"params": [q for q in params if q.dim() > 1], "weight_decay": 0.01},
         {"params": [q for q in params if q.dim() <= 1], "weight_decay": 0.0},
     ]
-    opt = torch.optim.AdamW(groups, lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps)
+    if a.optimizer == "sgd":  # batch size buys a quieter step here; Adam normalises the noise back up (docs)
+        opt = torch.optim.SGD(groups, lr=a.lr, momentum=a.momentum)
+    else:
+        opt = torch.optim.AdamW(groups, lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / a.warmup) if a.warmup else 1.0)
     order = torch.randperm(len(task.train), generator=torch.Generator().manual_seed(a.seed)).tolist()
     coin = torch.Generator().manual_seed(a.seed + 1)
@@ -132,8 +138,8 @@ def run(a: argparse.Namespace) -> None:
         for step in tqdm(range(a.steps + 1), desc=Path(a.out).stem, disable=a.quiet):
             if step % 5 == 0:
                 model.eval()
-                _, rs, tr = sample(model, task, [p for p, _ in task.eval], 2, seed=10_000)
-                labels = [lab for _, lab in task.eval for _ in range(2)]
+                _, rs, tr = sample(model, task, [p for p, _ in task.eval], a.eval_n, seed=10_000)
+                labels = [lab for _, lab in task.eval for _ in range(a.eval_n)]
                 rew = [task.reward(r, lab) for r, lab in zip(rs, labels, strict=True)]
                 rec = {"kind": "eval", "step": step, "eval": sum(rew) / len(rew), "truncated": sum(tr) / len(tr)}
                 log.write(json.dumps(rec) + "\n")
@@ -149,7 +155,7 @@ def run(a: argparse.Namespace) -> None:
                 r = torch.tensor([task.reward(x, lab) for x, lab in zip(rs, labels, strict=True)], dtype=torch.float64)
             else:  # slime's `--rm-type random`: a fair coin per sample, independent of the response
                 r = (torch.rand(len(rs), generator=coin) < 0.5).double()
-            g = r.view(a.batch, a.n)
+            g = r.view(a.batch, a.n).to(a.device)
             adv = ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-6)).view(-1).float()
             lp, m = token_logps(model, task, ps, rs)
             x = -adv[:, None] * lp  # on-policy, one step per rollout: the PPO ratio is 1, its gradient is ∇logp
@@ -226,7 +232,8 @@ def sweep(a: argparse.Namespace) -> None:
             out = Path(a.out_dir) / f"{name}__{tag}.jsonl"
             jobs.append([sys.executable, "-m", "bench.toy_grpo_reference", "--checkpoint", a.checkpoint,
                          "--steps", str(a.steps), "--reward", reward, "--out", str(out), "--quiet",
-                         "--seed", str(seed), "--max-seconds", str(a.max_seconds), *shlex.split(rest[0] if rest else "")])  # fmt: skip
+                         "--seed", str(seed), "--max-seconds", str(a.max_seconds), "--device", a.device,
+                         "--eval-n", str(a.eval_n), *shlex.split(rest[0] if rest else "")])  # fmt: skip
     with ThreadPoolExecutor(a.jobs) as pool, tqdm(total=len(jobs), desc="sweep") as bar:
         for rc in pool.map(lambda cmd: subprocess.run(cmd, cwd=ROOT).returncode, jobs):
             bar.update(1)
@@ -242,6 +249,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", help="metrics JSONL of one run")
     p.add_argument("--reward", choices=["toy", "random"], default="toy")
     p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     p.add_argument("--eps", type=float, default=1e-8)
     p.add_argument("--beta1", type=float, default=0.9)
     p.add_argument("--beta2", type=float, default=0.999)
@@ -254,6 +263,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda to sweep on a GPU host")
+    p.add_argument("--eval-n", type=int, default=2, help="eval samples per held-out prompt")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--max-seconds", type=float, default=0, help="stop (after an eval) once this much wall time passed")
     p.add_argument("--sweep", help="file of 'name flags' lines")

@@ -141,6 +141,7 @@ def common_flags(a: argparse.Namespace, checkpoint: Path, train: Path) -> list[s
         "--custom-megatron-init-path", "sim.fake_megatron.cpu_shim.apply",
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(a.max_tokens_per_gpu),
         "--seed", str(a.seed), "--no-use-tensorboard", "--eval-fixed-sampling-seed",
+        "--sglang-max-running-requests", str(a.max_running_requests),
     ]  # fmt: skip
 
 
@@ -237,11 +238,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="--calculate-per-token-loss: short answers get no larger per-token weight than long ones",
     )
-    g.add_argument("--rl-lr-warmup", type=int, default=30, help="--lr-warmup-iters of the RL runs")
+    g.add_argument("--rl-lr-warmup", type=int, default=10, help="--lr-warmup-iters of the RL runs")
     g.add_argument("--kl-loss-coef", type=float, default=0.2, help="low_var_kl to the RL start checkpoint")
-    g.add_argument("--rl-batch", type=int, default=64, help="prompts per rollout (one optimizer step each)")
+    g.add_argument(
+        "--rl-batch", type=int, default=256, help="prompts per rollout (one step each); larger: quieter random control"
+    )
     g.add_argument("--n-samples", type=int, default=8, help="--n-samples-per-prompt")
-    g.add_argument("--rl-max-steps", type=int, default=300)
+    g.add_argument("--rl-max-steps", type=int, default=150)
     g.add_argument("--rl-eval-interval", type=int, default=5)
     g.add_argument("--target", type=float, default=0.9)
     g.add_argument("--control-tolerance", type=float, default=0.05)
@@ -251,7 +254,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--n-samples-per-eval-prompt", type=int, default=8, help="RL evals (SFT: see above); eval noise ~0.0045"
     )
     g.add_argument("--rollout-num-gpus", type=int, default=2, help="fake engines (each a process)")
-    g.add_argument("--max-tokens-per-gpu", type=int, default=8192)
+    g.add_argument("--max-tokens-per-gpu", type=int, default=16384)
+    g.add_argument("--max-running-requests", type=int, default=1024, help="--sglang-max-running-requests (per engine)")
     g.add_argument(
         "--reanalyse", action="store_true", help="rebuild JSON/PNG/table from --workdir and --out-json, run nothing"
     )

@@ -40,11 +40,17 @@ class _Handler(BaseHTTPRequestHandler):
         pass  # one line per sample would drown the bench output
 
 
+class _Server(ThreadingHTTPServer):
+    # An eval posts one request per sample, up to remote_rm's 1024 connections at once; the default listen
+    # backlog (5) reset most of them and the retries stalled the run for minutes.
+    request_queue_size = 2048
+
+
 class ToyRewardServer:
     """`with ToyRewardServer() as srv: ... srv.url ...` — bound to 127.0.0.1 on a free port, stopped on exit."""
 
     def __init__(self) -> None:
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="toy-rm", daemon=True)
 

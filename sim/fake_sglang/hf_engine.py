@@ -1,14 +1,19 @@
 """`hf` engine: a real transformers causal LM decoding the running batch one token per step.
 
-Why full recompute instead of a KV cache: requests join and leave the batch at every step (continuous
-batching); recomputing the left-padded batch keeps the code obviously correct, and the tiny CPU models the
-fake serves make it cheap. Log-probs are SGLang's (see sampling.py), so the trainer can check them.
+Requests join and leave the batch at every step (continuous batching), so the KV cache is kept per batch row
+and keyed by request id: rows of finished or aborted requests are dropped, joining requests are prefilled on
+their own and left-padded into the batch, and a weight update drops the whole cache (SGLang flushes it too).
+Without it every step recomputed every sequence, which made rollouts on CPU several times slower than the
+trainer. Models whose cache is not a plain per-layer key/value cache fall back to that full recompute.
+Log-probs are SGLang's (see sampling.py), so the trainer can check them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +32,41 @@ def load_model(model_path: str, device: str) -> Any:
     return model.to(device).eval()
 
 
+@dataclass
+class _BatchKV:
+    """Key/value cache of the running batch: row i belongs to `rids[i]` and holds its first `held[i]` tokens."""
+
+    rids: list[str]
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), [rows, kv_heads, width, head_dim]
+    mask: torch.Tensor  # [rows, width], 1 where a token is held (left padding is 0)
+    held: list[int]
+
+    def select(self, rows: list[int]) -> _BatchKV:
+        idx = torch.tensor(rows, device=self.mask.device)
+        mask = self.mask[idx]
+        keep = int(mask.sum(0).nonzero()[0]) if bool(mask.any()) else mask.size(1)  # drop all-padding columns
+        layers = [(k[idx, :, keep:], v[idx, :, keep:]) for k, v in self.layers]
+        return _BatchKV([self.rids[i] for i in rows], layers, mask[:, keep:], [self.held[i] for i in rows])
+
+    @staticmethod
+    def concat(parts: list[_BatchKV]) -> _BatchKV:
+        width = max(p.mask.size(1) for p in parts)
+
+        def left_pad(x: torch.Tensor, dim: int) -> torch.Tensor:
+            pad = [0, 0] * (x.dim() - 1 - dim) + [width - x.size(dim), 0]
+            return torch.nn.functional.pad(x, pad)
+
+        layers = [
+            (
+                torch.cat([left_pad(p.layers[i][0], 2) for p in parts]),
+                torch.cat([left_pad(p.layers[i][1], 2) for p in parts]),
+            )
+            for i in range(len(parts[0].layers))
+        ]
+        mask = torch.cat([left_pad(p.mask, 1) for p in parts])
+        return _BatchKV([r for p in parts for r in p.rids], layers, mask, [h for p in parts for h in p.held])
+
+
 class HFEngine(Engine):
     name = "hf"
 
@@ -37,6 +77,10 @@ class HFEngine(Engine):
         self.device = device
         self.model = load_model(model_path, device)
         self._eos = self._collect_eos(self.model, self.tokenizer)
+        self.kv_cache = True  # off after a model whose cache layout this engine does not know
+        self._kv: _BatchKV | None = None
+        # transformers 5.24 renamed `past_key_values` to `cache` (in and out); GPU hosts may carry an older one.
+        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
     @staticmethod
     def _collect_eos(model: Any, tokenizer: Any) -> set[int]:
@@ -58,15 +102,20 @@ class HFEngine(Engine):
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)
 
-    @torch.no_grad()
-    def _forward_last_logits(self, seqs: list[list[int]]) -> torch.Tensor:
-        """Logits of the last position of each sequence, batch left-padded with explicit positions."""
+    @staticmethod
+    def _left_pad(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
         mask = torch.zeros(len(seqs), width, dtype=torch.long)
         for i, s in enumerate(seqs):
             ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
             mask[i, width - len(s) :] = 1
+        return ids, mask
+
+    @torch.no_grad()
+    def _forward_last_logits(self, seqs: list[list[int]]) -> torch.Tensor:
+        """Logits of the last position of each sequence, batch left-padded with explicit positions."""
+        ids, mask = self._left_pad(seqs)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(
             input_ids=ids.to(self.device),
@@ -76,8 +125,61 @@ class HFEngine(Engine):
         )
         return out.logits[:, -1, :].float().cpu()
 
+    @torch.no_grad()
+    def _prefill(self, rids: list[str], seqs: list[list[int]]) -> tuple[torch.Tensor, _BatchKV | None]:
+        ids, mask = (x.to(self.device) for x in self._left_pad(seqs))
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        layers = self._plain_layers(getattr(out, self._cache_kw))
+        kv = _BatchKV(rids, layers, mask, [len(s) for s in seqs]) if layers is not None else None
+        return out.logits[:, -1, :].float().cpu(), kv
+
+    @torch.no_grad()
+    def _decode(self, kv: _BatchKV, last_tokens: list[int]) -> tuple[torch.Tensor, _BatchKV | None]:
+        from transformers import DynamicCache
+
+        ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device)[:, None]
+        pos = kv.mask.sum(-1, keepdim=True)  # positions count each row's own tokens, not its padding
+        mask = torch.cat([kv.mask, torch.ones_like(kv.mask[:, :1])], 1)
+        kw = {self._cache_kw: DynamicCache(ddp_cache_data=kv.layers)}
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **kw)
+        layers = self._plain_layers(getattr(out, self._cache_kw))
+        new = _BatchKV(kv.rids, layers, mask, [h + 1 for h in kv.held]) if layers is not None else None
+        return out.logits[:, -1, :].float().cpu(), new
+
+    def _plain_layers(self, cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        layers = getattr(cache, "layers", None)
+        if not layers or any(type(la).__name__ != "DynamicLayer" for la in layers):
+            logger.warning("hf engine: %s cache is not plain key/value; recomputing every step", type(cache))
+            self.kv_cache = False
+            return None
+        return [(la.keys, la.values) for la in layers]
+
+    def _batch_logits(self, batch: list[GenRequest]) -> torch.Tensor:
+        """Next-token logits of every request: cached rows decode one token, the others are prefilled."""
+        seqs = [r.prompt_ids + r.output_ids for r in batch]
+        if not self.kv_cache:
+            return self._forward_last_logits(seqs)
+        kv, self._kv = self._kv, None  # rebuilt below; a failing step leaves no half-updated cache
+        row = {rid: i for i, rid in enumerate(kv.rids)} if kv is not None else {}
+        cached = [i for i, r in enumerate(batch) if r.rid in row and kv.held[row[r.rid]] == len(seqs[i]) - 1]
+        fresh = sorted(set(range(len(batch))) - set(cached))
+        logits = torch.empty(len(batch), self.vocab_size())
+        parts: list[_BatchKV | None] = []
+        if cached:
+            lg, part = self._decode(kv.select([row[batch[i].rid] for i in cached]), [seqs[i][-1] for i in cached])
+            logits[cached] = lg
+            parts.append(part)
+        if fresh:
+            lg, part = self._prefill([batch[i].rid for i in fresh], [seqs[i] for i in fresh])
+            logits[fresh] = lg
+            parts.append(part)
+        if self.kv_cache and all(p is not None for p in parts):
+            self._kv = _BatchKV.concat(parts)
+        return logits
+
     def _step_sync(self, batch: list[GenRequest]) -> list[tuple[int, float]]:
-        logits = self._forward_last_logits([r.prompt_ids + r.output_ids for r in batch])
+        logits = self._batch_logits(batch)
         out = []
         for i, r in enumerate(batch):
             p = r.params
@@ -105,6 +207,7 @@ class HFEngine(Engine):
             if tuple(t.shape) != tuple(params[n].shape):
                 raise BadRequest(f"shape mismatch for {n}: got {tuple(t.shape)}, want {tuple(params[n].shape)}")
         async with self.step_lock:
+            self._kv = None  # keys/values of the old weights
             with torch.no_grad():
                 for n, t in named:
                     params[n].data.copy_(t.to(device=params[n].device, dtype=params[n].dtype))
@@ -114,4 +217,5 @@ class HFEngine(Engine):
         if model.config.vocab_size != self.model.config.vocab_size:
             raise BadRequest("update_weights_from_disk: vocabulary size differs from the served model")
         async with self.step_lock:
+            self._kv = None
             self.model = model

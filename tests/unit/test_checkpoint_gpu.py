@@ -77,11 +77,17 @@ def _worker(rank: int, phase: str, ckpt: str, out_dir: str, port: int) -> None:
 
     out = Path(out_dir)
     path = out / "ckpt"
+    subs = getattr(trainer.optimizer, "chained_optimizers", None) or [trainer.optimizer]
+
+    def adam_steps() -> list[float]:
+        return sorted({float(st["step"]) for o in subs for st in o.optimizer.state.values() if "step" in st})
+
     if phase == "save":
         trainer.train(0, data(0))
         path.mkdir()
         checkpoint.save_trainer_state(trainer, str(path), rollout_id=0)
-        torch.save({"state": _state(trainer), "loss": trainer.train(1, data(1))["train/loss"]}, out / "ref.pt")
+        saved = {"state": _state(trainer), "steps": adam_steps()}
+        torch.save({**saved, "loss": trainer.train(1, data(1))["train/loss"]}, out / "ref.pt")
     else:
         meta = checkpoint.load_trainer_state(trainer, str(path))
         ref = torch.load(out / "ref.pt")
@@ -90,8 +96,7 @@ def _worker(rank: int, phase: str, ckpt: str, out_dir: str, port: int) -> None:
             k: max(float((state[n][k] - ref["state"][n][k]).abs().max()) for n in state)
             for k in ("model", "param", "exp_avg", "exp_avg_sq")
         }
-        subs = getattr(trainer.optimizer, "chained_optimizers", None) or [trainer.optimizer]
-        steps = sorted({float(st["step"]) for o in subs for st in o.optimizer.state.values() if "step" in st})
+        steps = [adam_steps(), ref["steps"]]
         loss = trainer.train(1, data(1))["train/loss"]
         (out / "result.json").write_text(json.dumps({"diffs": diffs, "steps": steps, "loss": [loss, ref["loss"]],
                                                      "meta": meta["distributed_optimizer"]}))  # fmt: skip
@@ -108,5 +113,6 @@ def test_bf16_distributed_optimizer_round_trip(tmp_path):
     r = json.loads((tmp_path / "result.json").read_text())
     assert r["meta"] is True
     assert r["diffs"] == {"model": 0.0, "param": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}, r
-    assert r["steps"] == [1.0], r
+    # 8 samples, each its own group (group_id=i), 4 groups per step: rollout 0 took two optimizer steps.
+    assert r["steps"] == [[2.0], [2.0]], r
     assert abs(r["loss"][0] - r["loss"][1]) < 1e-6, r

@@ -9,6 +9,8 @@ import time
 import httpx
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from sim.fake_sglang.testing import launch_fake_sglang
 from sim.fake_sglang.weights import build_update_body
@@ -135,15 +137,20 @@ def test_abort_by_rid_and_abort_all_return_partial_tokens(server):
     got: dict = {}
     t1, t2, t3 = _start_long(c, "a1", got), _start_long(c, "a2", got), _start_long(c, "a3", got)
     _wait_running(c, 3)
-    assert c.post("/abort_request", json={"rid": "a1"}).status_code == 200
-    t1.join(30)
-    assert got["a1"]["meta_info"]["finish_reason"]["type"] == "abort"
-    assert 0 < len(got["a1"]["output_ids"]) < 4000
-    assert len(got["a1"]["meta_info"]["output_token_logprobs"]) == len(got["a1"]["output_ids"])
-    assert "a2" not in got
-    assert c.post("/abort_request", json={"abort_all": True}).status_code == 200
-    t2.join(30)
-    t3.join(30)
+    # Held in place, so none can run to its length limit before the aborts arrive (the cached decode is fast).
+    assert c.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+    try:
+        assert c.post("/abort_request", json={"rid": "a1"}).status_code == 200
+        t1.join(30)
+        assert got["a1"]["meta_info"]["finish_reason"]["type"] == "abort"
+        assert 0 < len(got["a1"]["output_ids"]) < 4000
+        assert len(got["a1"]["meta_info"]["output_token_logprobs"]) == len(got["a1"]["output_ids"])
+        assert "a2" not in got
+        assert c.post("/abort_request", json={"abort_all": True}).status_code == 200
+        t2.join(30)
+        t3.join(30)
+    finally:
+        c.post("/continue_generation")
     for rid in ("a2", "a3"):
         assert got[rid]["meta_info"]["finish_reason"]["type"] == "abort"
         assert 0 < len(got[rid]["output_ids"]) < 4000
@@ -260,3 +267,34 @@ def test_stop_strings_stop_token_ids_and_request_log(server):
     )
     assert any(r["endpoint"] == "/update_weights_from_tensor" and "tensor_names" in r for r in records)
     assert all("serialized_named_tensors" not in r.get("body", {}) for r in records)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_kv_cache_gives_the_logits_of_full_recompute(ckpt, data):
+    """Continuous batching with the cache: joins, finishes, aborts and retracted-then-resumed requests (whose held
+    tokens no longer match) give the next-token logits of recomputing every sequence, and a weight update drops it."""
+    from sim.fake_sglang.hf_engine import HFEngine
+    from sim.fake_sglang.protocol import GenRequest, SamplingParams
+
+    cached, full = (HFEngine(model_path=str(ckpt)) for _ in range(2))
+    full.kv_cache = False
+    running: list[GenRequest] = []
+    for step in range(data.draw(st.integers(3, 10), label="steps")):
+        running = [r for r in running if not data.draw(st.booleans(), label="leave")]
+        for k in range(data.draw(st.integers(0 if running else 1, 3), label="joins")):
+            prompt = data.draw(st.lists(st.integers(3, 300), min_size=1, max_size=9), label="prompt")
+            running.append(GenRequest(rid=f"r{step}_{k}", prompt_ids=prompt, params=SamplingParams()))
+        if running and data.draw(st.booleans(), label="retract one"):
+            running[0].output_ids = running[0].output_ids[:-1]  # held tokens no longer match: re-prefilled
+        if data.draw(st.integers(0, 9), label="weights") == 0:
+            with torch.no_grad():
+                for m in (cached.model, full.model):
+                    m.model.norm.weight.mul_(1.01)
+            cached._kv = None  # what load_named_tensors does under the step lock
+        want = full._batch_logits(running)
+        torch.testing.assert_close(cached._batch_logits(running), want, atol=2e-5, rtol=1e-5)
+        assert sorted(cached._kv.rids) == sorted(r.rid for r in running)
+        for r, row in zip(running, want, strict=True):
+            r.output_ids.append(int(row.argmax()))
+    assert cached.kv_cache

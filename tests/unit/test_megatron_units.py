@@ -209,6 +209,33 @@ def test_packed_attention_equals_per_sample():
         start += n
 
 
+def test_packed_attention_batches_equal_lengths_exactly():
+    # Repeated lengths share one batched SDPA call; values and gradients must still be the per-segment ones.
+    attn = _attention(4, 2)
+    torch.manual_seed(2)
+    lengths = [5, 3, 5, 1, 3, 5, 7, 1]
+    p = packing.pack_samples([[0] * n for n in lengths], pad_multiple=16)
+    t = p.total_len
+    leaves = [torch.randn(t, h, 8, requires_grad=True) for h in (4, 2, 2)]
+    w = torch.randn(t, 32)
+    w[sum(lengths) :] = 0  # the padding segment (attends to itself) carries no loss
+    out = attn(*leaves, None, packed_seq_params=p.packed_seq_params)
+    (out * w).sum().backward()
+    got = [x.grad.clone() for x in leaves]
+    for x in leaves:
+        x.grad = None
+    ref, start = [], 0
+    for n in lengths:
+        sl = slice(start, start + n)
+        ref.append(_naive(*(x[sl] for x in leaves)))
+        start += n
+    ref = torch.cat(ref)
+    torch.testing.assert_close(out[:start], ref, atol=1e-5, rtol=1e-5)
+    (ref * w[:start]).sum().backward()
+    for g, x in zip(got, leaves, strict=True):
+        torch.testing.assert_close(g, x.grad, atol=1e-5, rtol=1e-5)
+
+
 # ---------------------------------------------------------------- initialize
 
 

@@ -121,14 +121,29 @@ class SDPACoreAttention(MegatronModule):
         bounds_q = cu_q.tolist()
         bounds_kv = cu_kv.tolist() if cu_kv is not None else bounds_q
         out = query.new_zeros(query.size(0), query.size(1), value.size(-1))
-        # One SDPA call per sample: exact block-diagonal causal attention without a t×t mask, and each call
-        # is a plain causal prefill that the flash / memory-efficient kernels handle on GPU.
+        # Segments of equal (q, kv) length share one batched SDPA call: exact block-diagonal causal attention
+        # without a t×t mask, and a micro-batch of many short samples (RL rollouts of similar length) costs a
+        # few calls instead of one per sample. Each call is a plain causal prefill that the flash /
+        # memory-efficient kernels handle on GPU; long samples of distinct lengths still get one call each.
+        buckets: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for i in range(len(bounds_q) - 1):
             qs, qe, ks, ke = bounds_q[i], bounds_q[i + 1], bounds_kv[i], bounds_kv[i + 1]
-            if qe <= qs:
-                continue
-            q = query[qs:qe].transpose(0, 1).unsqueeze(0)  # [1, np, L, hn]
-            k = key[ks:ke].transpose(0, 1).unsqueeze(0)
-            v = value[ks:ke].transpose(0, 1).unsqueeze(0)
-            out[qs:qe] = self._sdpa(q, k, v, is_causal=causal).squeeze(0).transpose(0, 1)
+            if qe > qs:
+                buckets.setdefault((qe - qs, ke - ks), []).append((qs, ks))
+        for (len_q, len_kv), starts in buckets.items():
+            if len(starts) == 1:
+                (qs, ks), idx_q = starts[0], None
+                q = query[qs : qs + len_q].transpose(0, 1).unsqueeze(0)  # [1, np, L, hn]
+                k = key[ks : ks + len_kv].transpose(0, 1).unsqueeze(0)
+                v = value[ks : ks + len_kv].transpose(0, 1).unsqueeze(0)
+            else:
+                st = torch.tensor(starts, device=query.device)
+                idx_q = st[:, :1] + torch.arange(len_q, device=query.device)  # [n, L] token rows
+                idx_kv = st[:, 1:] + torch.arange(len_kv, device=query.device)
+                q, k, v = query[idx_q].transpose(1, 2), key[idx_kv].transpose(1, 2), value[idx_kv].transpose(1, 2)
+            res = self._sdpa(q, k, v, is_causal=causal).transpose(1, 2)  # [n, L, np, hn]
+            if idx_q is None:
+                out[qs : qs + len_q] = res.squeeze(0)
+            else:
+                out[idx_q.reshape(-1)] = res.reshape(-1, *res.shape[2:])
         return out.reshape(query.size(0), -1)

@@ -86,6 +86,8 @@ def _sim_argv(
     if getattr(args, "sim_request_log_dir", None):
         argv += ["--request-log", os.path.join(args.sim_request_log_dir, f"engine_{rank}.jsonl")]
     argv += ["--device", "cuda" if torch.cuda.is_available() else "cpu"]
+    if getattr(args, "sglang_max_running_requests", None):  # the one scheduler limit the fake shares with SGLang
+        argv += ["--max-running-requests", str(args.sglang_max_running_requests)]
     if num_gpus > 1:
         argv += ["--tp-size", str(num_gpus)]
     return argv
