@@ -130,6 +130,10 @@ def test_sim_argv():
     argv = build_server_argv(args, backend="sim", host="127.0.0.1", port=4000)
     assert argv[argv.index("--engine") + 1] == "synthetic" and _opt(argv, "--synthetic-config") == "lat.json"
     assert _opt(argv, "--model-path") == "/ckpt/qwen" and "--request-log" not in argv and "--script" not in argv
+    assert "--max-running-requests" not in argv  # unset: the fake's own default
+    args.sglang_max_running_requests = 1024  # the one scheduler limit the fake shares with SGLang
+    argv = build_server_argv(args, backend="sim", host="127.0.0.1", port=4000)
+    assert _opt(argv, "--max-running-requests") == "1024"
 
 
 # ---------------------------------------------------------------- SGLang's own parser (side venv)
