@@ -6,7 +6,7 @@ It shares no code with slime's trainer, rollout or losses (only the toy reward),
     .venv/bin/python -m bench.toy_grpo_reference --checkpoint runs/toy_learning/sft/hf_79 --out runs/ref/a.jsonl \
         [--reward toy|random] [--lr 5e-4 --warmup 30 --kl 0.2 ...]
     .venv/bin/python -m bench.toy_grpo_reference --sweep bench/toy_grpo_sweep.txt --out-dir runs/ref --jobs 2 \
-        --checkpoint ... [--steps 120] [--random-seeds 4] [--no-toy] [--max-seconds 400]
+        --checkpoint ... [--steps 120] [--random-seeds 4] [--no-toy] [--max-seconds 400] [--device cuda --eval-n 8]
         # every line "name flags": one run with the toy reward, --random-seeds runs with a fair coin
     .venv/bin/python -m bench.toy_grpo_reference --summarise runs/ref
 
@@ -14,7 +14,7 @@ The recipe mirrors the bench's RL runs: prompts through the chat template, T=1.0
 checkpoint's EOS ids, at most 12 new tokens; GRPO advantages (unbiased std, eps 1e-6); loss = mean over samples
 of the per-sample token mean (slime's default reducer for one-segment trajectories); optional low_var_kl to the
 start weights; AdamW (weight decay 0.01 on matrices), linear warm-up, clip-grad 1.0. Eval: the 256 held-out
-prompts x 2 at T=1.0 every 5 steps, with the same sampling seeds at every eval (common random numbers).
+prompts x `--eval-n` (2) at T=1.0 every 5 steps, with the same sampling seeds at every eval (common random numbers).
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def run(a: argparse.Namespace) -> None:
         {"params": [q for q in params if q.dim() > 1], "weight_decay": 0.01},
         {"params": [q for q in params if q.dim() <= 1], "weight_decay": 0.0},
     ]
-    if a.optimizer == "sgd":  # batch size buys a quieter step here; Adam normalises the noise back up (docs)
+    if a.optimizer == "sgd":  # sweep s10: slower GRPO and 2-4x the coin run's drift of Adam (docs/performance.md)
         opt = torch.optim.SGD(groups, lr=a.lr, momentum=a.momentum)
     else:
         opt = torch.optim.AdamW(groups, lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps)

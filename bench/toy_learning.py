@@ -11,7 +11,8 @@ real router, weight sync after every rollout), run as a subprocess whose `metric
    [0.5, 0.6]), whose checkpoint is the RL start.
 2. **GRPO** from that checkpoint (`--n-samples-per-prompt`, `--rollout-temperature 1.0`, a low_var_kl loss to the
    checkpoint: without it the random-reward control collapses; Adam ε 1e-3, `--clip-grad 0.2` and
-   `--calculate-per-token-loss`: without them it makes rare, abrupt excursions — docs/performance.md),
+   `--calculate-per-token-loss`: without them it makes rare, abrupt excursions; 256 prompts per step: half the
+   steps of 64, so the random control has half as long to drift — docs/performance.md),
    stopped at the first eval ≥ `--target` (or after `--rl-max-steps`).
 3. **Controls** for the same number of steps from the same checkpoint, identical flags except: `--lr 0`;
    `--rm-type random` (no `--custom-rm-path`: its eval rows are scored by `bench/toy_reward_server.py` through
