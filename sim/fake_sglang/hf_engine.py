@@ -113,24 +113,12 @@ class HFEngine(Engine):
         return ids, mask
 
     @torch.no_grad()
-    def _forward_last_logits(self, seqs: list[list[int]]) -> torch.Tensor:
-        """Logits of the last position of each sequence, batch left-padded with explicit positions."""
-        ids, mask = self._left_pad(seqs)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(
-            input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            position_ids=pos.to(self.device),
-            use_cache=False,
-        )
-        return out.logits[:, -1, :].float().cpu()
-
-    @torch.no_grad()
     def _prefill(self, rids: list[str], seqs: list[list[int]]) -> tuple[torch.Tensor, _BatchKV | None]:
+        """Last-position logits of each whole sequence (batch left-padded, explicit positions), plus its cache."""
         ids, mask = (x.to(self.device) for x in self._left_pad(seqs))
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-        layers = self._plain_layers(getattr(out, self._cache_kw))
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=self.kv_cache)
+        layers = self._plain_layers(getattr(out, self._cache_kw)) if self.kv_cache else None
         kv = _BatchKV(rids, layers, mask, [len(s) for s in seqs]) if layers is not None else None
         return out.logits[:, -1, :].float().cpu(), kv
 
@@ -148,8 +136,10 @@ class HFEngine(Engine):
         return out.logits[:, -1, :].float().cpu(), new
 
     def _plain_layers(self, cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        from transformers.cache_utils import DynamicLayer
+
         layers = getattr(cache, "layers", None)
-        if not layers or any(type(la).__name__ != "DynamicLayer" for la in layers):
+        if not layers or any(type(la) is not DynamicLayer for la in layers):  # subclasses (sliding) differ
             logger.warning("hf engine: %s cache is not plain key/value; recomputing every step", type(cache))
             self.kv_cache = False
             return None
@@ -159,7 +149,7 @@ class HFEngine(Engine):
         """Next-token logits of every request: cached rows decode one token, the others are prefilled."""
         seqs = [r.prompt_ids + r.output_ids for r in batch]
         if not self.kv_cache:
-            return self._forward_last_logits(seqs)
+            return self._prefill([r.rid for r in batch], seqs)[0]
         kv, self._kv = self._kv, None  # rebuilt below; a failing step leaves no half-updated cache
         row = {rid: i for i, rid in enumerate(kv.rids)} if kv is not None else {}
         cached = [i for i, r in enumerate(batch) if r.rid in row and kv.held[row[r.rid]] == len(seqs[i]) - 1]

@@ -220,6 +220,16 @@ def test_packed_attention_batches_equal_lengths_exactly():
     w = torch.randn(t, 32)
     w[sum(lengths) :] = 0  # the padding segment (attends to itself) carries no loss
     out = attn(*leaves, None, packed_seq_params=p.packed_seq_params)
+    plan = p.packed_seq_params._slime_length_buckets  # built once per micro-batch, reused by every layer
+    assert sorted((b[0], b[3] is None) for b in plan) == [
+        (1, False),
+        (2, True),
+        (3, False),
+        (5, False),
+        (7, True),
+    ]  # 2: padding
+    attn(*leaves, None, packed_seq_params=p.packed_seq_params)
+    assert p.packed_seq_params._slime_length_buckets is plan
     (out * w).sum().backward()
     got = [x.grad.clone() for x in leaves]
     for x in leaves:

@@ -116,34 +116,55 @@ class SDPACoreAttention(MegatronModule):
     ) -> torch.Tensor:
         if query.dim() == 4:  # tolerate an unsqueezed batch of one
             query, key, value = (x.squeeze(1) for x in (query, key, value))
-        cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
-        bounds_q = cu_q.tolist()
-        bounds_kv = cu_kv.tolist() if cu_kv is not None else bounds_q
         out = query.new_zeros(query.size(0), query.size(1), value.size(-1))
-        # Segments of equal (q, kv) length share one batched SDPA call: exact block-diagonal causal attention
-        # without a t×t mask, and a micro-batch of many short samples (RL rollouts of similar length) costs a
-        # few calls instead of one per sample. Each call is a plain causal prefill that the flash /
-        # memory-efficient kernels handle on GPU; long samples of distinct lengths still get one call each.
-        buckets: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        for i in range(len(bounds_q) - 1):
-            qs, qe, ks, ke = bounds_q[i], bounds_q[i + 1], bounds_kv[i], bounds_kv[i + 1]
-            if qe > qs:
-                buckets.setdefault((qe - qs, ke - ks), []).append((qs, ks))
-        for (len_q, len_kv), starts in buckets.items():
-            if len(starts) == 1:
-                (qs, ks), idx_q = starts[0], None
+        for len_q, len_kv, starts, idx_q, idx_kv in _length_buckets(params, query.device):
+            if idx_q is None:  # one segment of this length: slices are views, no gather
+                qs, ks = starts
                 q = query[qs : qs + len_q].transpose(0, 1).unsqueeze(0)  # [1, np, L, hn]
                 k = key[ks : ks + len_kv].transpose(0, 1).unsqueeze(0)
                 v = value[ks : ks + len_kv].transpose(0, 1).unsqueeze(0)
             else:
-                st = torch.tensor(starts, device=query.device)
-                idx_q = st[:, :1] + torch.arange(len_q, device=query.device)  # [n, L] token rows
-                idx_kv = st[:, 1:] + torch.arange(len_kv, device=query.device)
                 q, k, v = query[idx_q].transpose(1, 2), key[idx_kv].transpose(1, 2), value[idx_kv].transpose(1, 2)
             res = self._sdpa(q, k, v, is_causal=causal).transpose(1, 2)  # [n, L, np, hn]
             if idx_q is None:
-                out[qs : qs + len_q] = res.squeeze(0)
+                out[starts[0] : starts[0] + len_q] = res.squeeze(0)
             else:
                 out[idx_q.reshape(-1)] = res.reshape(-1, *res.shape[2:])
         return out.reshape(query.size(0), -1)
+
+
+_Bucket = tuple[int, int, tuple[int, int], torch.Tensor | None, torch.Tensor | None]
+
+
+def _length_buckets(params: PackedSeqParams, device: torch.device) -> list[_Bucket]:
+    """Segments grouped by (q, kv) length: (len_q, len_kv, first starts, q rows [n, L], kv rows [n, L]).
+
+    Segments of equal length share one batched SDPA call: exact block-diagonal causal attention without a t×t
+    mask, and a micro-batch of many short samples (RL rollouts of similar length) costs a few calls instead of
+    one per sample; long samples of distinct lengths keep one call each (rows None: sliced as views). Every
+    layer gets the same `params`, so the plan is built once per micro-batch and kept on it: one host sync for
+    `cu_seqlens` and one set of index tensors per forward instead of per layer.
+    """
+    cached = getattr(params, "_slime_length_buckets", None)
+    if cached is not None:
+        return cached
+    cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
+    bounds_q = cu_q.tolist()
+    bounds_kv = cu_kv.tolist() if cu_kv is not None else bounds_q
+    groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for i in range(len(bounds_q) - 1):
+        qs, qe, ks, ke = bounds_q[i], bounds_q[i + 1], bounds_kv[i], bounds_kv[i + 1]
+        if qe > qs:
+            groups.setdefault((qe - qs, ke - ks), []).append((qs, ks))
+    plan: list[_Bucket] = []
+    for (len_q, len_kv), starts in groups.items():
+        if len(starts) == 1:
+            plan.append((len_q, len_kv, starts[0], None, None))
+            continue
+        st = torch.tensor(starts, device=device)
+        rows_q = st[:, :1] + torch.arange(len_q, device=device)  # [n, L] token rows
+        rows_kv = st[:, 1:] + torch.arange(len_kv, device=device)
+        plan.append((len_q, len_kv, starts[0], rows_q, rows_kv))
+    params._slime_length_buckets = plan  # megatron's dataclass has no slots: a plain attribute
+    return plan
