@@ -114,13 +114,24 @@ class HFEngine(Engine):
 
     @torch.no_grad()
     def _prefill(self, rids: list[str], seqs: list[list[int]]) -> tuple[torch.Tensor, _BatchKV | None]:
-        """Last-position logits of each whole sequence (batch left-padded, explicit positions), plus its cache."""
-        ids, mask = (x.to(self.device) for x in self._left_pad(seqs))
+        """Last-position logits of each whole sequence (batch left-padded, explicit positions), plus its cache.
+
+        Identical sequences (the n samples of one prompt arrive together) are computed once and their rows
+        repeated, as SGLang's radix cache shares a common prompt.
+        """
+        unique: dict[tuple[int, ...], int] = {}
+        row = [unique.setdefault(tuple(s), len(unique)) for s in seqs]
+        ids, mask = (x.to(self.device) for x in self._left_pad([list(s) for s in unique]))
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=self.kv_cache)
         layers = self._plain_layers(getattr(out, self._cache_kw)) if self.kv_cache else None
+        logits = out.logits[:, -1, :]
+        if len(unique) < len(seqs):
+            idx = torch.tensor(row, device=mask.device)
+            logits, mask = logits[idx], mask[idx]
+            layers = [(k[idx], v[idx]) for k, v in layers] if layers is not None else None
         kv = _BatchKV(rids, layers, mask, [len(s) for s in seqs]) if layers is not None else None
-        return out.logits[:, -1, :].float().cpu(), kv
+        return logits.float().cpu(), kv
 
     @torch.no_grad()
     def _decode(self, kv: _BatchKV, last_tokens: list[int]) -> tuple[torch.Tensor, _BatchKV | None]:

@@ -214,3 +214,47 @@ def response_logprobs_and_entropy(
         chunk_size=chunk_size,
     )
     return list(logp.split(sizes)), list(ent.split(sizes))
+
+
+def packed_response_logprobs_and_entropy(
+    logits: torch.Tensor,
+    row_tokens: torch.Tensor,
+    sample_rows: Sequence[Sequence[int]],
+    response_lengths: Sequence[int],
+    ps: ParallelState | None,
+    *,
+    temperature: float = 1.0,
+    vocab_start: int = 0,
+    with_entropy: bool = True,
+    chunk_size: int = -1,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """`response_logprobs_and_entropy` for a packed row whose samples need not lie back to back (cp == 1).
+
+    `sample_rows[i]` is the row of each of sample i's tokens in `logits` [T, V_local] and `row_tokens` [T]
+    (`packing.PackedBatch.sample_rows`): with shared prompts a sample's prompt rows are its siblings' too.
+    Targets are read from the row itself, so the whole micro-batch costs two gathers, not a slice per sample.
+    """
+    if logits.dim() == 3 and logits.shape[0] == 1:
+        logits = logits.squeeze(0)
+    if ps is not None and ps.size("cp") != 1:
+        raise ValueError("packed_response_logprobs_and_entropy needs cp_size 1 (CP slices samples instead)")
+    pred: list[int] = []
+    target: list[int] = []
+    for rows, resp in zip(sample_rows, response_lengths, strict=True):
+        total = len(rows)
+        if not 0 <= resp < max(total, 1):
+            raise ValueError(f"response length {resp} needs a prompt token before it ({total} tokens)")
+        pred += rows[total - resp - 1 : total - 1]
+        target += rows[total - resp : total]
+    dev = logits.device
+    logp, ent = vocab_parallel_logprobs_and_entropy(
+        logits.index_select(0, torch.tensor(pred, dtype=torch.long, device=dev)),
+        row_tokens.reshape(-1).to(dev).index_select(0, torch.tensor(target, dtype=torch.long, device=dev)),
+        ps,
+        temperature,
+        vocab_start,
+        with_entropy=with_entropy,
+        chunk_size=chunk_size,
+    )
+    sizes = list(response_lengths)
+    return list(logp.split(sizes)), list(ent.split(sizes))

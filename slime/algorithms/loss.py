@@ -55,7 +55,7 @@ def _cat(xs: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def _graph_anchor(log_probs: Sequence[torch.Tensor]) -> torch.Tensor:
     """0·sum(ℓ): keeps the logits in the graph when this rank holds no response token (spec §10.2)."""
-    return sum((lp.sum() * 0 for lp in log_probs), torch.zeros(()))
+    return _cat(log_probs).sum() * 0
 
 
 def _old_log_probs(args: Any, batch: Mapping[str, Any], log_probs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -80,22 +80,28 @@ def policy_loss_function(
     ps: ParallelState | None = None,
 ) -> LossResult:
     """PPO / GSPO surrogate with dual clip, OPSM, TIS, entropy bonus and KL loss, reduced per group."""
+    # Elementwise terms are computed on the micro-batch's concatenated tokens (`*_all`), one op each: a
+    # micro-batch holds hundreds of short samples, and per-sample ops cost more than the math. Only the
+    # sequence-level pieces (GSPO, OPSM, TIS hooks) take per-sample lists.
     masks = list(batch["loss_masks"])
     denoms = list(batch["group_mask_sums"])
     per_token = bool(getattr(args, "calculate_per_token_loss", False))
     reduce = make_reducer(masks, denoms, per_token=per_token)
     log_probs = list(log_probs)
-    advantages = [a.to(lp.dtype) for a, lp in zip(batch["advantages"], log_probs, strict=True)]
-    old = [o.to(lp.dtype) for o, lp in zip(_old_log_probs(args, batch, log_probs), log_probs, strict=True)]
+    lp_all = _cat(log_probs)
+    dtype = lp_all.dtype
+    old = _old_log_probs(args, batch, log_probs)
+    old_all = _cat(old).to(dtype)
+    adv_all = _cat(batch["advantages"]).to(dtype)
 
     if getattr(args, "advantage_estimator", "grpo") == "gspo":
-        ppo_kl = gspo_ppo_kl(log_probs, old, masks, ps)
+        ppo_kl_all = _cat(gspo_ppo_kl(log_probs, old, masks, ps))
     else:
-        ppo_kl = [o - lp for lp, o in zip(log_probs, old, strict=True)]
+        ppo_kl_all = old_all - lp_all
     eps_high = getattr(args, "eps_clip_high", None)
     pg, clipfrac, dualfrac = compute_policy_loss(
-        _cat(ppo_kl),
-        _cat(advantages),
+        ppo_kl_all,
+        adv_all,
         args.eps_clip,
         args.eps_clip if eps_high is None else eps_high,
         getattr(args, "eps_clip_c", None),
@@ -103,6 +109,7 @@ def policy_loss_function(
     metrics: dict[str, torch.Tensor] = {}
 
     if getattr(args, "use_opsm", False):
+        advantages = _split(adv_all, log_probs)
         keep, dropped = opsm_keep_masks(log_probs, old, advantages, masks, getattr(args, "opsm_delta", 1e-4), ps)
         pg = pg * _cat(keep)
         metrics["opsm_clipfrac"] = reduce(dropped)
@@ -127,9 +134,9 @@ def policy_loss_function(
         )
         # Mismatch metrics over the original masks; the pg numerator over the (possibly rejection-) modified
         # masks, with the original group denominators (spec §5.3).
-        metrics["ois"] = reduce([torch.exp(-k.detach()) for k in ppo_kl])
+        metrics["ois"] = reduce(torch.exp(-ppo_kl_all.detach()))
         for name, value in tis_metrics.items():
-            metrics[name] = reduce(_split(value.detach().to(pg.dtype), log_probs))
+            metrics[name] = reduce(value.detach().to(pg.dtype))
     pg_reduce = make_reducer(pg_masks, denoms, per_token=per_token) if pg_masks is not masks else reduce
 
     reducer_path = getattr(args, "custom_pg_loss_reducer_function_path", None)
@@ -138,18 +145,18 @@ def policy_loss_function(
         custom = load_function(reducer_path)(batch["total_lengths"], batch["response_lengths"], pg_masks, per_token)
         pg_loss = custom(pg)
     else:
-        pg_loss = pg_reduce(_split(pg, log_probs))
+        pg_loss = pg_reduce(pg)
 
-    metrics["pg_clipfrac"] = reduce(_split(clipfrac, log_probs))
-    metrics["ppo_kl"] = reduce([k.detach() for k in ppo_kl])
+    metrics["pg_clipfrac"] = reduce(clipfrac)
+    metrics["ppo_kl"] = reduce(ppo_kl_all.detach())
     if getattr(args, "eps_clip_c", None) is not None:
-        metrics["pg_clipfrac_lower"] = reduce(_split(dualfrac, log_probs))
+        metrics["pg_clipfrac_lower"] = reduce(dualfrac)
     metrics["pg_loss"] = pg_loss
     loss = pg_loss
 
     entropy_coef = float(getattr(args, "entropy_coef", 0.0) or 0.0)
     if entropy is not None:
-        entropy_loss = reduce(list(entropy))
+        entropy_loss = reduce(_cat(list(entropy)))
         metrics["entropy_loss"] = entropy_loss
         loss = loss - entropy_coef * entropy_loss  # kept in the graph even at coef 0, as slime v0.3.0 does
     elif entropy_coef:
@@ -159,21 +166,14 @@ def policy_loss_function(
         ref = batch.get("ref_log_probs")
         if not ref:
             raise ValueError("--use-kl-loss needs batch['ref_log_probs'] (from --ref-load or the initial weights)")
-        kl_terms = []
-        for lp, r, o in zip(log_probs, ref, old, strict=True):
-            ratio = torch.exp(lp - o) if getattr(args, "use_unbiased_kl", False) else None
-            kl_terms.append(compute_approx_kl(lp, r, args.kl_loss_type, importance_ratio=ratio))
-        kl_loss = reduce(kl_terms)
+        ratio = torch.exp(lp_all - old_all) if getattr(args, "use_unbiased_kl", False) else None
+        kl_loss = reduce(compute_approx_kl(lp_all, _cat(ref), args.kl_loss_type, importance_ratio=ratio))
         metrics["kl_loss"] = kl_loss
         loss = loss + float(args.kl_loss_coef) * kl_loss
 
     if rollout:
-        metrics["train_rollout_logprob_abs_diff"] = reduce(
-            [
-                (o.detach().to(lp.dtype) - r.to(lp.dtype)).abs()
-                for o, r, lp in zip(train_lp, rollout, log_probs, strict=True)
-            ]
-        )
+        diff = (_cat(train_lp).detach().to(dtype) - _cat(rollout).to(dtype)).abs()
+        metrics["train_rollout_logprob_abs_diff"] = reduce(diff)
 
     loss = loss + _graph_anchor(log_probs)
     metrics["loss"] = loss

@@ -38,7 +38,28 @@ from slime.parallel_state import ParallelState
 
 logger = logging.getLogger(__name__)
 
-Reducer = Callable[[Sequence[torch.Tensor]], torch.Tensor]
+Reducer = Callable[[Sequence[torch.Tensor] | torch.Tensor], torch.Tensor]
+
+
+def _token_weights(
+    masks: Sequence[torch.Tensor], group_denoms: Sequence[float], per_token: bool, like: torch.Tensor
+) -> torch.Tensor:
+    """m_it / max(D_g(i), 1) for every token of the micro-batch, concatenated (m_it alone with `per_token`)."""
+    if not masks:
+        return like.new_zeros(0)
+    return torch.cat(
+        [
+            m.to(like.device, like.dtype).reshape(-1) / (1.0 if per_token else max(float(d), 1.0))
+            for m, d in zip(masks, group_denoms, strict=True)
+        ]
+    )
+
+
+def _check_sizes(values: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], denoms: Sequence[float]) -> None:
+    if not (len(values) == len(masks) == len(denoms)):
+        raise ValueError(f"{len(values)} value tensors, {len(masks)} masks, {len(denoms)} denominators")
+    if [v.numel() for v in values] != [m.numel() for m in masks]:
+        raise ValueError("every value tensor must have one entry per token of its mask")
 
 
 def sum_of_group_mean(
@@ -53,16 +74,14 @@ def sum_of_group_mean(
     `values[i]`/`masks[i]` are the tokens of sample i this rank holds (all of them, or its CP chunks);
     `group_denoms[i]` is D_{g(i)} over the whole group. A zero D_g (a fully masked group) counts as 1 so the
     group contributes 0 instead of NaN. With `per_token` the denominator is dropped (see module docstring).
+    One weighted sum over the concatenated tokens: a micro-batch holds hundreds of samples, and a loop over
+    them cost more than the model's forward on short RL samples.
     """
-    if not (len(values) == len(masks) == len(group_denoms)):
-        raise ValueError(f"{len(values)} value tensors, {len(masks)} masks, {len(group_denoms)} denominators")
+    _check_sizes(values, masks, group_denoms)
     if not values:
         return torch.zeros(())
-    total = values[0].new_zeros(())
-    for v, m, d in zip(values, masks, group_denoms, strict=True):
-        s = (v * m.to(v.dtype)).sum()
-        total = total + (s if per_token else s / max(float(d), 1.0))
-    return total
+    flat = torch.cat([v.reshape(-1) for v in values])
+    return (flat * _token_weights(masks, group_denoms, per_token, flat)).sum()
 
 
 def make_reducer(masks: Sequence[torch.Tensor], group_denoms: Sequence[float], *, per_token: bool = False) -> Reducer:
@@ -70,12 +89,27 @@ def make_reducer(masks: Sequence[torch.Tensor], group_denoms: Sequence[float], *
 
     TIS/RS functions that change masks pass their modified masks here; denominators stay the original group
     totals (spec §5.3), so a token masked out afterwards lowers the group mean instead of re-weighting it.
+    The token weights are built once per micro-batch and reused by every reduction of the loss. The reducer
+    takes per-sample tensors or their concatenation (one tensor over the micro-batch's tokens, sample order).
     """
     masks = list(masks)
     denoms = list(group_denoms)
+    cache: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
-    def reduce(values: Sequence[torch.Tensor]) -> torch.Tensor:
-        return sum_of_group_mean(values, masks, denoms, per_token=per_token)
+    def reduce(values: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
+        if isinstance(values, torch.Tensor):  # already the micro-batch's tokens, concatenated in sample order
+            flat = values.reshape(-1)
+        else:
+            _check_sizes(values, masks, denoms)
+            if not values:
+                return torch.zeros(())
+            flat = torch.cat([v.reshape(-1) for v in values])
+        key = (flat.dtype, flat.device)
+        if key not in cache:
+            cache[key] = _token_weights(masks, denoms, per_token, flat)
+        if cache[key].numel() != flat.numel():
+            raise ValueError(f"{flat.numel()} values for {cache[key].numel()} masked tokens")
+        return (flat * cache[key]).sum()
 
     return reduce
 

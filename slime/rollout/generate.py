@@ -10,6 +10,7 @@ and `meta_info.finish_reason = {"type": "length"|"stop"|"abort", ...}`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import inspect
 import logging
@@ -124,6 +125,11 @@ class GenerateState:
         self.semaphore = asyncio.Semaphore(max(1, concurrency * max(1, num_gpus // per_engine)))
         self.sampling_params = base_sampling_params(args)
         self.aborted = False
+        # prompt text -> token ids: the n samples of a prompt (and every eval round) tokenise it once
+        self.encode = functools.lru_cache(maxsize=16384)(self._encode)
+
+    def _encode(self, text: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(text, add_special_tokens=False))
 
     @classmethod
     def get(cls, args: Any) -> GenerateState:
@@ -148,7 +154,7 @@ def _prompt_ids(state: GenerateState, sample: Sample) -> list[int]:
         prompt = tok.apply_chat_template(
             prompt, tools=sample.metadata.get("tools"), tokenize=False, add_generation_prompt=True
         )
-    return list(tok.encode(prompt, add_special_tokens=False))
+    return list(state.encode(prompt))
 
 
 async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:

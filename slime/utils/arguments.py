@@ -123,6 +123,13 @@ def _add_data(p: argparse.ArgumentParser) -> None:
     g.add_argument("--use-dynamic-batch-size", action="store_true")
     g.add_argument("--max-tokens-per-gpu", type=int, default=None)
     g.add_argument("--log-probs-max-tokens-per-gpu", type=int, default=None)
+    g.add_argument(
+        "--share-prompt-prefix",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pack samples of one micro-batch with an identical prompt as prompt + branches (exact; the prompt's "
+        "tokens go through the model once instead of once per sample)",
+    )
     g.add_argument("--balance-data", action="store_true")
     g.add_argument("--data-pad-size-multiplier", type=int, default=128)
     g.add_argument(

@@ -272,8 +272,9 @@ def test_stop_strings_stop_token_ids_and_request_log(server):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_kv_cache_gives_the_logits_of_full_recompute(ckpt, data):
-    """Continuous batching with the cache: joins, finishes, aborts and retracted-then-resumed requests (whose held
-    tokens no longer match) give the next-token logits of recomputing every sequence, and a weight update drops it."""
+    """Continuous batching with the cache: joins (siblings of one prompt among them), finishes, aborts and
+    retracted-then-resumed requests (whose held tokens no longer match) give the next-token logits of recomputing
+    every sequence, and a weight update drops it."""
     from sim.fake_sglang.hf_engine import HFEngine
     from sim.fake_sglang.protocol import GenRequest, SamplingParams
 
@@ -284,6 +285,8 @@ def test_kv_cache_gives_the_logits_of_full_recompute(ckpt, data):
         running = [r for r in running if not data.draw(st.booleans(), label="leave")]
         for k in range(data.draw(st.integers(0 if running else 1, 3), label="joins")):
             prompt = data.draw(st.lists(st.integers(3, 300), min_size=1, max_size=9), label="prompt")
+            if k and data.draw(st.booleans(), label="sibling"):  # n samples of one prompt: prefilled once
+                prompt = list(running[-1].prompt_ids)
             running.append(GenRequest(rid=f"r{step}_{k}", prompt_ids=prompt, params=SamplingParams()))
         if running and data.draw(st.booleans(), label="retract one"):
             running[0].output_ids = running[0].output_ids[:-1]  # held tokens no longer match: re-prefilled

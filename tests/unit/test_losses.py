@@ -15,7 +15,11 @@ import torch
 from sim.fake_megatron import SimulatedWorld
 from slime.algorithms.cp_slicing import slice_packed_for_cp, slice_response_for_cp
 from slime.algorithms.kl import compute_approx_kl
-from slime.algorithms.logprobs import response_logprobs_and_entropy, vocab_parallel_logprobs_and_entropy
+from slime.algorithms.logprobs import (
+    packed_response_logprobs_and_entropy,
+    response_logprobs_and_entropy,
+    vocab_parallel_logprobs_and_entropy,
+)
 from slime.algorithms.loss import loss_function, policy_loss_function, sft_loss_function
 from slime.algorithms.policy_loss import (
     compute_policy_loss,
@@ -178,6 +182,38 @@ def test_response_logprobs_packed_and_cp2_match_unsliced():
         for a, b, ref, t, r in zip(sharded, full, ref_lp, totals, resps, strict=True):
             torch.testing.assert_close(a, slice_response_for_cp(ref, t, r, 2, rank), rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(b, slice_response_for_cp(ref, t, r, 2, rank), rtol=1e-12, atol=1e-12)
+
+
+def test_packed_response_logprobs_read_each_samples_rows():
+    # A row with a shared prompt (rows 0-2) and two branches (3-5, 6-7), then a sample packed whole (8-12);
+    # each sample's log-probs must be those of its own token sequence, read through its rows.
+    g = torch.Generator().manual_seed(5)
+    vocab = 8
+    row_tokens = torch.randint(0, vocab, (13,), generator=g)
+    logits = torch.randn(13, vocab, generator=g, dtype=F64)
+    rows = [[0, 1, 2, 3, 4, 5], [0, 1, 2, 6, 7], [8, 9, 10, 11, 12]]
+    resps = [3, 2, 4]
+    ref = []
+    for r, n in zip(rows, resps, strict=True):
+        lg, tok, t = logits[r], row_tokens[r], len(r)
+        ref.append(_ref_logprob_entropy(lg[t - n - 1 : t - 1], tok[t - n :], 0.7))
+    lp, ent = packed_response_logprobs_and_entropy(logits, row_tokens, rows, resps, None, temperature=0.7)
+    for a, h, (ref_lp, ref_h) in zip(lp, ent, ref, strict=True):
+        torch.testing.assert_close(a, ref_lp, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(h, ref_h, rtol=1e-12, atol=1e-12)
+
+    def body(ps):  # tp=2: each rank holds half of the vocabulary
+        half = vocab // 2
+        shard = logits[:, ps.rank("tp") * half : (ps.rank("tp") + 1) * half]
+        return packed_response_logprobs_and_entropy(
+            shard, row_tokens, rows, resps, ps, temperature=0.7, vocab_start=ps.rank("tp") * half
+        )[0]
+
+    for got in SimulatedWorld(2, tp=2).run(body):
+        for a, (ref_lp, _) in zip(got, ref, strict=True):
+            torch.testing.assert_close(a, ref_lp, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="needs a prompt token"):
+        packed_response_logprobs_and_entropy(logits, row_tokens, [[0, 1]], [2], None)
 
 
 # ---------------------------------------------------------------- KL estimators

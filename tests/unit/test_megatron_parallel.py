@@ -68,6 +68,19 @@ def _sequences(vocab: int) -> list[torch.Tensor]:
     return [torch.randint(0, vocab, (n,), generator=g) for n in LENGTHS]
 
 
+def _shared_prompt_samples(seqs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+    a, b = seqs[2][:6], seqs[0][:4]
+    samples = [
+        (a, seqs[0][:3]),
+        (b, seqs[3][:2]),
+        (a, seqs[1]),
+        (torch.tensor([], dtype=torch.long), seqs[3]),
+        (a, seqs[1][:0]),
+        (b, seqs[2][6:9]),
+    ]
+    return [torch.cat([p, r]) for p, r in samples], [len(p) for p, _ in samples]
+
+
 def _loss_sums(logits: list[torch.Tensor], seqs: list[torch.Tensor]) -> tuple[float, int]:
     total = sum(
         torch.nn.functional.cross_entropy(lg[:-1], s[1:], reduction="sum") for lg, s in zip(logits, seqs, strict=True)
@@ -108,9 +121,19 @@ def _worker(rank: int, world: int, port: int, ckpts: dict[str, str], out_dir: st
                 packed = packing.pack_samples(seqs, pad_multiple=8)
                 out = model(packed.tokens, packed.position_ids, None, packed_seq_params=packed.packed_seq_params)
                 per = packing.unpack_logits(full_logits(out), packed)
+                # prompt sharing: siblings of one prompt (one with an empty response) next to a lone sample
+                shared, plens = _shared_prompt_samples(seqs)
+                sp = packing.pack_samples(shared, pad_multiple=8, prompt_lengths=plens)
+                out = model(sp.tokens, sp.position_ids, None, packed_seq_params=sp.packed_seq_params)
+                shared_single = [full_logits(model(s[None], torch.arange(len(s))[None], None)[0]) for s in shared]
                 r = {
                     "hf_vs_mcore": max((a - b).abs().max().item() for a, b in zip(ref, single, strict=True)),
                     "packed_vs_single": max((a - b).abs().max().item() for a, b in zip(per, single, strict=True)),
+                    "shared_vs_single": max(
+                        (a - b).abs().max().item()
+                        for a, b in zip(packing.unpack_logits(full_logits(out), sp), shared_single, strict=True)
+                    ),
+                    "shared_rows": (sp.total_len - sp.pad, sum(len(s) for s in shared)),
                     "logit_scale": max(a.abs().max().item() for a in ref),
                 }
                 if name == LOSS_VARIANT:
@@ -201,6 +224,8 @@ def test_gptmodel_matches_hf_and_packing_is_exact(results, phase, variant):
         assert r["logit_scale"] > 0.5  # the comparison is not between near-zero logits
         assert r["hf_vs_mcore"] <= 1e-4, r
         assert r["packed_vs_single"] <= 1e-5, r
+        assert r["shared_vs_single"] <= 1e-5, r
+        assert r["shared_rows"] == (6 + 4 + 3 + 2 + 3 + 5 + 0 + 3, 6 * 3 + 4 * 2 + 3 + 2 + 3 + 5 + 3), r
 
 
 @pytest.mark.parametrize("phase", ["phase1", "phase2"])

@@ -142,6 +142,11 @@ def test_pack_samples_layout():
     assert p.position_ids.tolist() == [[0, 1, 2, 0, 0, 1, 0, 1]]
     assert p.cu_seqlens.tolist() == [0, 3, 4, 6, 8] and p.cu_seqlens.dtype == torch.int32
     assert p.packed_seq_params.qkv_format == "thd" and p.packed_seq_params.max_seqlen_q == 3
+    # megatron's RoPE sees one segment with a per-token angle table (rope.py); attention reads the segments
+    assert p.packed_seq_params.cu_seqlens_q.tolist() == [0, 8]
+    assert p.packed_seq_params._slime_positions.tolist() == p.position_ids[0].tolist()
+    assert p.packed_seq_params._slime_segments == [(0, 3, 0, 0), (3, 1, 0, 0), (4, 2, 0, 0), (6, 2, 0, 0)]
+    assert not p.shared and p.sample_rows(2) == [4, 5]
     parts = packing.unpack_logits(torch.arange(8 * 3).reshape(1, 8, 3), p, vocab_size=2)
     assert [t.shape for t in parts] == [(3, 2), (1, 2), (2, 2)]
     assert parts[1].tolist() == [[9, 10]]
@@ -167,6 +172,12 @@ def _attention(heads: int, groups: int, hn: int = 8) -> SDPACoreAttention:
         use_cpu_initialization=True,
     )
     return SDPACoreAttention(cfg, 1, AttnMaskType.causal, "self")
+
+
+def _rope_done(p: packing.PackedBatch):
+    # the attention alone: q and k stand for tensors RoPE already rotated (rope.py marks that in a model)
+    p.packed_seq_params._slime_rope_applied = True
+    return p.packed_seq_params
 
 
 def _naive(q, k, v, causal_len=None):
@@ -199,7 +210,7 @@ def test_packed_attention_equals_per_sample():
     p = packing.pack_samples([[0] * n for n in lengths], pad_multiple=8)
     t = p.total_len
     q, k, v = torch.randn(t, 4, 8), torch.randn(t, 2, 8), torch.randn(t, 2, 8)
-    out = attn(q, k, v, None, packed_seq_params=p.packed_seq_params)
+    out = attn(q, k, v, None, packed_seq_params=_rope_done(p))
     assert out.shape == (t, 32)
     start = 0
     for n in lengths:
@@ -219,9 +230,9 @@ def test_packed_attention_batches_equal_lengths_exactly():
     leaves = [torch.randn(t, h, 8, requires_grad=True) for h in (4, 2, 2)]
     w = torch.randn(t, 32)
     w[sum(lengths) :] = 0  # the padding segment (attends to itself) carries no loss
-    out = attn(*leaves, None, packed_seq_params=p.packed_seq_params)
+    out = attn(*leaves, None, packed_seq_params=_rope_done(p))
     plan = p.packed_seq_params._slime_length_buckets  # built once per micro-batch, reused by every layer
-    assert sorted((b[0], b[3] is None) for b in plan) == [
+    assert sorted((b.len_q, b.rows_q is None) for b in plan) == [
         (1, False),
         (2, True),
         (3, False),
@@ -244,6 +255,87 @@ def test_packed_attention_batches_equal_lengths_exactly():
     (ref * w[:start]).sum().backward()
     for g, x in zip(got, leaves, strict=True):
         torch.testing.assert_close(g, x.grad, atol=1e-5, rtol=1e-5)
+
+
+def _shared_batch(data) -> tuple[list[list[int]], list[int]]:
+    """Samples drawn as (prompt id, branch) pairs: siblings share their prompt's tokens exactly."""
+    prompts = data.draw(st.lists(st.integers(0, 6), min_size=1, max_size=4))  # prompt lengths (0: no prompt)
+    picks = data.draw(st.lists(st.tuples(st.integers(0, len(prompts) - 1), st.integers(0, 5)), min_size=1, max_size=9))
+    samples, plens = [], []
+    for k, (which, r) in enumerate(picks):
+        prompt = [100 + 10 * which + j for j in range(prompts[which])]
+        samples.append(prompt + [k * 7 + j + 1 for j in range(r)])
+        plens.append(len(prompt))
+    return samples, plens
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), pad_multiple=st.sampled_from([1, 4, 8]))
+def test_shared_prompt_packing_round_trips(data, pad_multiple):
+    samples, plens = _shared_batch(data)
+    if sum(map(len, samples)) == 0:
+        samples[0].append(1)
+    p = packing.pack_samples(samples, pad_multiple=pad_multiple, prompt_lengths=plens)
+    assert p.total_len % pad_multiple == 0
+    # every sample reads back exactly its own tokens at its own positions 0..L-1
+    assert [t.tolist() for t in packing.unpack(p.tokens, p)] == samples
+    assert [t.tolist() for t in packing.unpack(p.position_ids, p)] == [list(range(len(x))) for x in samples]
+    assert [p.sample_rows(i) for i in range(len(samples))] == [
+        t.tolist() for t in packing.unpack(torch.arange(p.total_len), p)
+    ]
+    # each distinct non-empty prompt shared by >= 2 samples is packed once; nothing else is saved
+    by_prompt: dict[tuple, int] = {}
+    for x, n in zip(samples, plens, strict=True):
+        if n:
+            by_prompt[tuple(x[:n])] = by_prompt.get(tuple(x[:n]), 0) + 1
+    saved = sum((c - 1) * len(k) for k, c in by_prompt.items() if c > 1)
+    assert p.total_len - p.pad == sum(map(len, samples)) - saved
+    # segments tile the row in order; a branch's prompt lies before it and has the prompt's length
+    segs = p.packed_seq_params._slime_segments
+    assert [q for q, _, _, _ in segs] == p.cu_seqlens.tolist()[:-1]
+    assert sum(n for _, n, _, _ in segs) == p.total_len
+    for q, _, ps, pl in segs:
+        assert pl == 0 or (ps + pl <= q and pl in plens)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_shared_prompt_attention_equals_per_sample(data):
+    """Values and gradients of the tree-packed attention equal textbook attention on each sample alone."""
+    samples, plens = _shared_batch(data)
+    if sum(map(len, samples)) == 0:
+        samples[0].append(1)
+    attn = _attention(4, 2)
+    p = packing.pack_samples(samples, pad_multiple=4, prompt_lengths=plens)
+    t = p.total_len
+    g = torch.Generator().manual_seed(len(samples) * 31 + t)
+    leaves = [torch.randn(t, h, 8, generator=g).requires_grad_() for h in (4, 2, 2)]
+    out = attn(*leaves, None, packed_seq_params=_rope_done(p))
+    per = packing.unpack(out, p)
+    weights = [torch.randn(len(x), 32, generator=g) for x in samples]
+    sum((o * w).sum() for o, w in zip(per, weights, strict=True)).backward()
+    got = [x.grad.clone() for x in leaves]
+    for x in leaves:
+        x.grad = None
+    ref = [_naive(*(packing.unpack(x, p)[i] for x in leaves)) if samples[i] else None for i in range(len(samples))]
+    for i, r in enumerate(ref):
+        if r is not None:
+            torch.testing.assert_close(per[i], r, atol=1e-5, rtol=1e-5)
+    sum((r * w).sum() for r, w in zip(ref, weights, strict=True) if r is not None).backward()
+    for gt, x in zip(got, leaves, strict=True):
+        torch.testing.assert_close(gt, x.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prompt_bad_input_and_unrotated_rows():
+    with pytest.raises(ValueError, match="prompt length 4 outside"):
+        packing.pack_samples([[1, 2, 3]], prompt_lengths=[4])
+    with pytest.raises(ValueError, match="2 prompt lengths for 1 samples"):
+        packing.pack_samples([[1, 2, 3]], prompt_lengths=[1, 1])
+    p = packing.pack_samples([[1, 2, 3], [1, 2, 4]], prompt_lengths=[2, 2])
+    assert p.shared and p.total_len == 4 and p.position_ids.tolist() == [[0, 1, 2, 2]]
+    x = torch.randn(4, 4, 8)
+    with pytest.raises(RuntimeError, match="positional RoPE"):  # a model whose RoPE ignored the positions
+        _attention(4, 4)(x, x, x, None, packed_seq_params=p.packed_seq_params)
 
 
 # ---------------------------------------------------------------- initialize

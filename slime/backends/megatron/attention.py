@@ -10,14 +10,17 @@ softmax gave 16.7% MFU on a 1.8B model; this thin wrapper over `scaled_dot_produ
 Shapes (what `SelfAttention.forward` hands over, megatron/core/transformer/attention.py in 0.16.1):
 - unpacked: q [s, b, np, hn], k/v [s, b, ng, hn] → out [s, b, np*hn];
 - packed (`packed_seq_params.qkv_format == "thd"`): q [t, np, hn], k/v [t, ng, hn] (batch squeezed away)
-  → out [t, np*hn]; each `[cu_seqlens_q[i], cu_seqlens_q[i+1])` segment attends causally to itself only.
-  RoPE has already been applied per segment (positions restart at 0) by megatron's `_apply_rotary_pos_emb_thd`.
+  → out [t, np*hn]. Rows packed by slime (packing.py) carry their segments in `_slime_segments`: a sample
+  attends causally to itself; a branch of a shared prompt attends to the whole prompt and causally to itself.
+  Other `PackedSeqParams` are read the usual way: each `[cu_seqlens_q[i], cu_seqlens_q[i+1])` segment
+  attends causally to itself only. RoPE has already been applied to q and k (rope.py).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -114,57 +117,94 @@ class SDPACoreAttention(MegatronModule):
         params: PackedSeqParams,
         causal: bool,
     ) -> torch.Tensor:
+        if getattr(params, "_slime_positions", None) is not None and not getattr(params, "_slime_rope_applied", False):
+            # slime's packed rows put one RoPE segment over the whole row (packing.py); megatron's own rotary
+            # embedding would number the row's tokens 0..T-1 and every sample but the first would be wrong.
+            raise RuntimeError(
+                "slime-packed sequences need the model built by slime's build_gpt_model (positional RoPE)"
+            )
         if query.dim() == 4:  # tolerate an unsqueezed batch of one
             query, key, value = (x.squeeze(1) for x in (query, key, value))
         out = query.new_zeros(query.size(0), query.size(1), value.size(-1))
-        for len_q, len_kv, starts, idx_q, idx_kv in _length_buckets(params, query.device):
-            if idx_q is None:  # one segment of this length: slices are views, no gather
-                qs, ks = starts
-                q = query[qs : qs + len_q].transpose(0, 1).unsqueeze(0)  # [1, np, L, hn]
-                k = key[ks : ks + len_kv].transpose(0, 1).unsqueeze(0)
-                v = value[ks : ks + len_kv].transpose(0, 1).unsqueeze(0)
+        for b in _length_buckets(params, query.device):
+            if b.rows_q is None:  # one whole segment of this length: slices are views, no gather
+                qs, ks = b.starts
+                q = query[qs : qs + b.len_q].transpose(0, 1).unsqueeze(0)  # [1, np, L, hn]
+                k = key[ks : ks + b.len_kv].transpose(0, 1).unsqueeze(0)
+                v = value[ks : ks + b.len_kv].transpose(0, 1).unsqueeze(0)
             else:
-                q, k, v = query[idx_q].transpose(1, 2), key[idx_kv].transpose(1, 2), value[idx_kv].transpose(1, 2)
-            res = self._sdpa(q, k, v, is_causal=causal).transpose(1, 2)  # [n, L, np, hn]
-            if idx_q is None:
-                out[starts[0] : starts[0] + len_q] = res.squeeze(0)
+                q = query[b.rows_q].transpose(1, 2)
+                k, v = key[b.rows_kv].transpose(1, 2), value[b.rows_kv].transpose(1, 2)
+            if b.mask is not None:  # a branch: the whole shared prompt, then causal over its own tokens
+                res = self._sdpa(q, k, v, attn_mask=b.mask)
             else:
-                out[idx_q.reshape(-1)] = res.reshape(-1, *res.shape[2:])
+                res = self._sdpa(q, k, v, is_causal=causal)
+            res = res.transpose(1, 2)  # [n, L, np, hn]
+            if b.rows_q is None:
+                out[b.starts[0] : b.starts[0] + b.len_q] = res.squeeze(0)
+            else:
+                out[b.rows_q.reshape(-1)] = res.reshape(-1, *res.shape[2:])
         return out.reshape(query.size(0), -1)
 
 
-_Bucket = tuple[int, int, tuple[int, int], torch.Tensor | None, torch.Tensor | None]
+@dataclass
+class _Bucket:
+    """Segments of one shape, attended in one SDPA call: queries `rows_q` [n, len_q], keys/values `rows_kv`."""
+
+    len_q: int
+    len_kv: int
+    starts: tuple[int, int]  # (q, kv) start of the first segment: the view path when it is alone
+    rows_q: torch.Tensor | None  # None: a single segment without a shared prompt, sliced as views
+    rows_kv: torch.Tensor | None
+    mask: torch.Tensor | None  # [len_q, len_kv] allowed, for branches (prompt + causal own tokens)
+
+
+def _segments(params: PackedSeqParams) -> list[tuple[int, int, int, int, int, int]]:
+    """(q_start, len_q, kv_start, len_kv, prefix_start, prefix_len) of every non-empty segment."""
+    tree = getattr(params, "_slime_segments", None)
+    if tree is not None:  # slime's packing (packing.py): self-attention, maybe over a shared prompt
+        return [(qs, n, qs, n, ps, pl) for qs, n, ps, pl in tree]
+    cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
+    bounds_q = cu_q.tolist()
+    bounds_kv = cu_kv.tolist() if cu_kv is not None else bounds_q
+    out = []
+    for i in range(len(bounds_q) - 1):
+        qs, qe, ks, ke = bounds_q[i], bounds_q[i + 1], bounds_kv[i], bounds_kv[i + 1]
+        if qe > qs:
+            out.append((qs, qe - qs, ks, ke - ks, 0, 0))
+    return out
 
 
 def _length_buckets(params: PackedSeqParams, device: torch.device) -> list[_Bucket]:
-    """Segments grouped by (q, kv) length: (len_q, len_kv, first starts, q rows [n, L], kv rows [n, L]).
+    """Segments grouped by shape (query length, key length, shared-prompt length), one SDPA call per group.
 
-    Segments of equal length share one batched SDPA call: exact block-diagonal causal attention without a t×t
+    Segments of equal shape share one batched SDPA call: exact block-diagonal causal attention without a t×t
     mask, and a micro-batch of many short samples (RL rollouts of similar length) costs a few calls instead of
-    one per sample; long samples of distinct lengths keep one call each (rows None: sliced as views). Every
+    one per sample; long samples of distinct lengths keep one call each (sliced as views). A branch of a
+    shared prompt gathers the prompt's rows before its own as keys, under a bottom-right causal mask. Every
     layer gets the same `params`, so the plan is built once per micro-batch and kept on it: one host sync for
     `cu_seqlens` and one set of index tensors per forward instead of per layer.
     """
     cached = getattr(params, "_slime_length_buckets", None)
     if cached is not None:
         return cached
-    cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-    cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
-    bounds_q = cu_q.tolist()
-    bounds_kv = cu_kv.tolist() if cu_kv is not None else bounds_q
-    groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for i in range(len(bounds_q) - 1):
-        qs, qe, ks, ke = bounds_q[i], bounds_q[i + 1], bounds_kv[i], bounds_kv[i + 1]
-        if qe > qs:
-            groups.setdefault((qe - qs, ke - ks), []).append((qs, ks))
+    groups: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}
+    for qs, len_q, ks, len_kv, ps, pl in _segments(params):
+        groups.setdefault((len_q, len_kv, pl), []).append((qs, ks, ps))
     plan: list[_Bucket] = []
-    for (len_q, len_kv), starts in groups.items():
-        if len(starts) == 1:
-            plan.append((len_q, len_kv, starts[0], None, None))
+    for (len_q, len_kv, pl), starts in groups.items():
+        first = (starts[0][0], starts[0][1])
+        if len(starts) == 1 and pl == 0:
+            plan.append(_Bucket(len_q, len_kv, first, None, None, None))
             continue
         st = torch.tensor(starts, device=device)
         rows_q = st[:, :1] + torch.arange(len_q, device=device)  # [n, L] token rows
-        rows_kv = st[:, 1:] + torch.arange(len_kv, device=device)
-        plan.append((len_q, len_kv, starts[0], rows_q, rows_kv))
+        rows_kv = st[:, 1:2] + torch.arange(len_kv, device=device)
+        mask = None
+        if pl:
+            rows_kv = torch.cat([st[:, 2:] + torch.arange(pl, device=device), rows_kv], dim=1)
+            mask = torch.ones(len_q, pl + len_kv, dtype=torch.bool, device=device).tril(diagonal=pl)
+        plan.append(_Bucket(len_q, pl + len_kv, first, rows_q, rows_kv, mask))
     params._slime_length_buckets = plan  # megatron's dataclass has no slots: a plain attribute
     return plan

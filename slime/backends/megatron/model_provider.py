@@ -34,6 +34,7 @@ from slime.backends.megatron.hf_config import (
     read_hf_config,
     transformer_config_kwargs,
 )
+from slime.backends.megatron.rope import use_positional_rope
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ def build_gpt_model(
         rotary_base=spec.rope_theta,
         vp_stage=vp_stage,
     )
+    use_positional_rope(model)  # slime's packed rows number their tokens themselves (packing.py, rope.py)
     logger.info(
         "built GPTModel (%s, %d layers, pre=%s post=%s vp_stage=%s): %d local params",
         spec.model_type,

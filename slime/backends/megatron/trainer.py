@@ -19,14 +19,14 @@ from typing import Any
 import torch
 
 from slime.algorithms.advantages import compute_advantages_and_returns
-from slime.algorithms.logprobs import response_logprobs_and_entropy
+from slime.algorithms.logprobs import packed_response_logprobs_and_entropy
 from slime.algorithms.loss import loss_function
 from slime.algorithms.reducers import reduce_train_metrics, scale_for_megatron
 from slime.backends.megatron.hf_config import read_hf_config
 from slime.backends.megatron.hf_weights import export_hf_weights, load_hf_weights, unwrap_model
 from slime.backends.megatron.initialize import init_distributed, init_megatron, run_custom_megatron_init
 from slime.backends.megatron.model_provider import build_gpt_model, mask_padded_vocab
-from slime.backends.megatron.packing import pack_samples
+from slime.backends.megatron.packing import PackedBatch, pack_samples
 
 logger = logging.getLogger(__name__)
 
@@ -118,22 +118,24 @@ class MegatronTrainer:
         self.offloader: Any = None  # set by the train actor (offload.py); None: never asleep
 
     # ---- forward helpers ------------------------------------------------------------------------------------
-    def _forward_logits(self, mb: dict[str, Any]) -> tuple[torch.Tensor, Any]:
+    def _forward_logits(self, mb: dict[str, Any]) -> tuple[torch.Tensor, PackedBatch]:
         tokens = mb["tokens"] if mb["tokens"] else [[0]]
-        packed = pack_samples(tokens, device=_device())
+        prompts = None
+        if self.args.share_prompt_prefix and mb["tokens"]:
+            prompts = [t - r for t, r in zip(mb["total_lengths"], mb["response_lengths"], strict=True)]
+        packed = pack_samples(tokens, device=_device(), prompt_lengths=prompts)
         logits = self.model(packed.tokens, packed.position_ids, None, packed_seq_params=packed.packed_seq_params)
         return mask_padded_vocab(logits[0], self.spec.vocab_size, self.ps.rank("tp")), packed
 
-    def _logprobs(self, logits: torch.Tensor, mb: dict[str, Any], with_entropy: bool):
-        v_local = logits.size(-1)
-        return response_logprobs_and_entropy(
+    def _logprobs(self, logits: torch.Tensor, mb: dict[str, Any], packed: PackedBatch, with_entropy: bool):
+        return packed_response_logprobs_and_entropy(
             logits,
-            [torch.as_tensor(t, device=logits.device) for t in mb["tokens"]],
-            mb["total_lengths"],
+            packed.tokens,
+            [packed.sample_rows(i) for i in range(len(mb["tokens"]))],
             mb["response_lengths"],
             self.ps,
             temperature=self.args.rollout_temperature,
-            vocab_start=self.ps.rank("tp") * v_local,
+            vocab_start=self.ps.rank("tp") * logits.size(-1),
             with_entropy=with_entropy,
             chunk_size=self.args.log_probs_chunk_size,
         )
@@ -157,9 +159,9 @@ class MegatronTrainer:
             if not mb["tokens"]:
                 mb[key] = []
                 continue
-            logits, _ = self._forward_logits(mb)
-            lp, _ = self._logprobs(logits.float(), mb, with_entropy=False)
-            mb[key] = [x.detach() for x in lp]
+            logits, packed = self._forward_logits(mb)
+            lp, _ = self._logprobs(logits.float(), mb, packed, with_entropy=False)
+            mb[key] = lp  # computed under no_grad: nothing to detach
         self.model.train()
 
     @torch.no_grad()
@@ -222,10 +224,15 @@ class MegatronTrainer:
         """max |ℓ_recomputed − ℓ_engine| over loss-masked response tokens of every rank (0 when there are none)."""
         m = torch.zeros((), dtype=torch.float64, device=_device())
         for mb in mbs:
-            for lp, roll, mask in zip(mb.get("log_probs", []), mb["rollout_log_probs"], mb["loss_masks"], strict=True):
-                diff = (lp.to(torch.float64) - roll.to(lp.device, torch.float64)).abs() * (mask.to(lp.device) > 0)
-                if diff.numel():
-                    m = torch.maximum(m, diff.max())
+            if len(mb.get("log_probs", [])) != len(mb["rollout_log_probs"]):
+                raise ValueError("recomputed and rollout log-probs cover different samples")
+            if not mb["rollout_log_probs"]:
+                continue
+            lp = torch.cat(mb["log_probs"]).to(torch.float64)
+            roll = torch.cat(mb["rollout_log_probs"]).to(lp.device, torch.float64)
+            mask = torch.cat(mb["loss_masks"]).to(lp.device) > 0
+            if lp.numel():
+                m = torch.maximum(m, ((lp - roll).abs() * mask).max())
         return float(self.ps.all_reduce(m, "max", "dp_cp"))
 
     def _prepare_batch(self, mb: dict[str, Any]) -> None:
@@ -258,14 +265,15 @@ class MegatronTrainer:
         per_token = args.calculate_per_token_loss
         sums: dict[str, float] = {}
         local_tokens = 0.0
+        packed_rows = 0  # tokens the model actually ran on (fewer than the samples' with shared prompts)
         n_mb = len(step_mbs)
 
-        def loss_func(mb: dict[str, Any], logits: torch.Tensor):
+        def loss_func(mb: dict[str, Any], packed: PackedBatch, logits: torch.Tensor):
             nonlocal local_tokens
             if not mb["tokens"]:
                 zero = logits.sum() * 0.0  # keeps every parameter in the graph; contributes nothing
                 return zero, torch.tensor(1, dtype=torch.int), {}
-            lp, ent = self._logprobs(logits.float(), mb, with_entropy=True)
+            lp, ent = self._logprobs(logits.float(), mb, packed, with_entropy=True)
             loss, m = loss_function(args, mb, lp, ent, self.ps)
             scaled, num_tokens = scale_for_megatron(
                 loss,
@@ -282,9 +290,11 @@ class MegatronTrainer:
             return scaled, num_tokens, {}
 
         def forward_step(it: Iterator[dict[str, Any]], model: Any):
+            nonlocal packed_rows
             mb = next(it)
-            logits, _ = self._forward_logits(mb)
-            return logits, partial(loss_func, mb)
+            logits, packed = self._forward_logits(mb)
+            packed_rows += packed.total_len - packed.pad if mb["tokens"] else 0
+            return logits, partial(loss_func, mb, packed)
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -315,6 +325,8 @@ class MegatronTrainer:
         out["train/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         out["train/update_successful"] = float(bool(ok))
         out["train/global_batch_size"] = float(global_batch_size)
+        sample_tokens = sum(sum(mb["total_lengths"]) for mb in step_mbs)
+        out["train/packed_tokens_ratio"] = packed_rows / sample_tokens if sample_tokens else 1.0
         return out
 
     # ---- weights --------------------------------------------------------------------------------------------
