@@ -20,7 +20,7 @@ import torch
 
 from sim.fake_sglang.engine import Engine
 from sim.fake_sglang.protocol import BadRequest, GenRequest
-from sim.fake_sglang.sampling import sample_one
+from sim.fake_sglang.sampling import sample_batch
 
 logger = logging.getLogger(__name__)
 
@@ -181,20 +181,8 @@ class HFEngine(Engine):
 
     def _step_sync(self, batch: list[GenRequest]) -> list[tuple[int, float]]:
         logits = self._batch_logits(batch)
-        out = []
-        for i, r in enumerate(batch):
-            p = r.params
-            out.append(
-                sample_one(
-                    logits[i],
-                    temperature=p.temperature,
-                    top_p=p.top_p,
-                    top_k=p.top_k,
-                    min_p=p.min_p,
-                    generator=r.generator,
-                )
-            )
-        return out
+        params = [(r.params.temperature, r.params.top_p, r.params.top_k, r.params.min_p) for r in batch]
+        return sample_batch(logits, params, [r.generator for r in batch])
 
     async def step(self, batch: list[GenRequest]) -> list[tuple[int, float]]:
         return await asyncio.to_thread(self._step_sync, batch)

@@ -109,6 +109,8 @@ class GenRequest:
     generator: torch.Generator | None = None
     # Set on every new token and on finish, so streaming handlers and waiters wake up.
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set on finish only: a non-streaming handler sleeps through the tokens (one wake-up, not one per token).
+    done: asyncio.Event = field(default_factory=asyncio.Event)
     engine_state: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -120,6 +122,7 @@ class GenRequest:
             self.finish_reason = reason
             self.finished_at = time.time()
         self.changed.set()
+        self.done.set()
 
 
 def new_rid() -> str:

@@ -10,6 +10,8 @@ Temperature 0 means greedy; SGLang then treats it as temperature 1 with top_k 1
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 SAMPLING_EPS = 1e-6
@@ -44,13 +46,38 @@ def sample_one(
     generator: torch.Generator | None = None,
 ) -> tuple[int, float]:
     """Sample one token from 1-D fp32 `logits`; return (token_id, logprob) with SGLang's log-prob semantics."""
+    return sample_batch(logits[None], [(temperature, top_p, top_k, min_p)], [generator])[0]
+
+
+def sample_batch(
+    logits: torch.Tensor,
+    params: Sequence[tuple[float, float, int, float]],
+    generators: Sequence[torch.Generator | None],
+) -> list[tuple[int, float]]:
+    """`sample_one` for every row of `logits` [B, V], row i with `params[i]` = (temperature, top_p, top_k,
+    min_p) and its own generator.
+
+    The softmaxes run once over the batch; only the draw is per row, because each request keeps its own
+    generator (a fixed `sampling_seed` gives the same tokens whatever the batch). Per-row sampling in Python
+    was the largest cost of a CPU rollout of many short answers.
+    """
     logits = logits.float()
-    if temperature < SAMPLING_EPS or top_k == 1:
-        logprobs = torch.log_softmax(logits if temperature < SAMPLING_EPS else logits / temperature, dim=-1)
-        tok = int(torch.argmax(logits))
-        return tok, float(logprobs[tok])
-    scaled = logits / temperature
+    greedy = [t < SAMPLING_EPS or k == 1 for t, _, k, _ in params]
+    # greedy rows: temperature 0 reads plain log_softmax(logits) (SGLang treats it as temperature 1, top_k 1)
+    temps = torch.tensor([1.0 if t < SAMPLING_EPS else t for t, _, _, _ in params], dtype=logits.dtype)
+    scaled = logits / temps[:, None]
     logprobs = torch.log_softmax(scaled, dim=-1)
-    probs = filter_probs(torch.softmax(scaled, dim=-1), top_p=top_p, top_k=top_k, min_p=min_p)
-    tok = int(torch.multinomial(probs, 1, generator=generator))
-    return tok, float(logprobs[tok])
+    tokens = torch.argmax(logits, dim=-1).tolist()
+    sampled = [i for i, g in enumerate(greedy) if not g]
+    if sampled:
+        probs = torch.softmax(scaled[sampled], dim=-1)
+        normalised = probs / probs.sum(dim=-1, keepdim=True)
+        for j, i in enumerate(sampled):
+            _, top_p, top_k, min_p = params[i]
+            if top_p < 1.0 or top_k > 0 or min_p > 0.0:
+                row = filter_probs(probs[j], top_p=top_p, top_k=top_k, min_p=min_p)
+            else:
+                row = normalised[j]
+            tokens[i] = int(torch.multinomial(row, 1, generator=generators[i]))
+    picked = logprobs.gather(-1, torch.tensor(tokens, dtype=torch.long)[:, None])[:, 0].tolist()
+    return list(zip(tokens, picked, strict=True))

@@ -137,10 +137,7 @@ def build_app(
             if body.get("stream"):
                 return await _stream(request, reqs, is_batch)
             for r in reqs:
-                while not r.finished:
-                    r.changed.clear()
-                    if not r.finished:
-                        await r.changed.wait()
+                await r.done.wait()
             outs = [respond(r) for r in reqs]
             request["log"]["responses"] = [_summary(o) for o in outs]
             return web.json_response(outs if is_batch else outs[0])
@@ -237,10 +234,7 @@ def build_app(
         return web.Response(status=200)
 
     async def _wait(r: GenRequest) -> None:
-        while not r.finished:
-            r.changed.clear()
-            if not r.finished:
-                await r.changed.wait()
+        await r.done.wait()
 
     async def model_info(request: web.Request) -> web.Response:
         # http_server.py: get_model_info

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.fake_sglang.sampling import filter_probs, sample_one
+from sim.fake_sglang.sampling import filter_probs, sample_batch, sample_one
 
 pytestmark = pytest.mark.cpu
 
@@ -75,3 +75,42 @@ def test_filter_probs_is_a_distribution_containing_the_argmax(logits, top_p, top
     kept = out > 0
     ratio = out[kept] / probs[kept]
     assert torch.allclose(ratio, ratio[0].expand_as(ratio), rtol=1e-4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.sampled_from([0.0, 0.3, 0.7, 1.0, 1.5]),  # temperature (0: greedy)
+            st.sampled_from([1.0, 0.9, 0.5]),  # top_p
+            st.sampled_from([-1, 1, 3]),  # top_k
+            st.sampled_from([0.0, 0.1]),  # min_p
+            st.integers(0, 2**31 - 1),  # sampling seed
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+    draws=st.integers(1, 4),
+    data=st.data(),
+)
+def test_batched_sampling_equals_each_row_alone(rows, draws, data):
+    """A request's tokens and log-probs do not depend on the rows it is batched with (own generator each)."""
+    vocab = 16
+    logits = torch.tensor(
+        data.draw(
+            st.lists(
+                st.lists(st.floats(-4, 4), min_size=vocab, max_size=vocab), min_size=len(rows), max_size=len(rows)
+            )
+        )
+    )
+    params = [r[:4] for r in rows]
+    batch_gens = [torch.Generator().manual_seed(r[4]) for r in rows]
+    alone_gens = [torch.Generator().manual_seed(r[4]) for r in rows]
+    for _ in range(draws):  # several steps: each generator's stream advances once per step
+        got = sample_batch(logits, params, batch_gens)
+        for i, (t, p, k, m, _) in enumerate(rows):
+            tok, lp = sample_one(logits[i], temperature=t, top_p=p, top_k=k, min_p=m, generator=alone_gens[i])
+            assert got[i][0] == tok
+            assert got[i][1] == pytest.approx(lp, abs=1e-6)
+            scale = t if t >= 1e-6 else 1.0  # full-vocabulary log-prob of the drawn token (SGLang's)
+            assert lp == pytest.approx(float(torch.log_softmax(logits[i] / scale, -1)[tok]), abs=1e-5)
