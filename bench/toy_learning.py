@@ -15,7 +15,8 @@ real router, weight sync after every rollout), run as a subprocess whose `metric
    steps of 64, so the random control has half as long to drift; lr 1.5e-3: a quarter fewer steps than 1e-3 at
    the same drift — docs/performance.md),
    stopped at the first eval ≥ `--target` (or after `--rl-max-steps`).
-3. **Controls** for the same number of steps from the same checkpoint, identical flags except: `--lr 0`;
+3. **Controls** for the same number of steps from the same checkpoint, side by side (`--parallel-controls`),
+   identical flags except: `--lr 0`;
    `--rm-type random` (no `--custom-rm-path`: its eval rows are scored by `bench/toy_reward_server.py` through
    `remote_rm`, so every run reports the same toy reward).
 
@@ -69,38 +70,65 @@ def eval_curve(metrics_dir: Path, name: str = "toy") -> list[tuple[int, float]]:
     return [(r["step"], float(r["metrics"][key])) for r in read_metrics(metrics_dir / "metrics.jsonl", "eval")]
 
 
-def run_slime(flags: list[str], metrics_dir: Path, stop: Callable[[list[tuple[int, float]]], bool] | None) -> dict:
-    """Run `slime train FLAGS`, stopped (see `_stop_group`) once `stop(eval_curve)` holds; returns wall times."""
+def _launch(flags: list[str], metrics_dir: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `slime train FLAGS` in its own session, logging to `metrics_dir/train.log` (from the main thread)."""
     metrics_dir.mkdir(parents=True, exist_ok=True)
     (metrics_dir / "metrics.jsonl").unlink(missing_ok=True)
     cmd = [str(ROOT / ".venv" / "bin" / "slime"), "train", *flags, "--metrics-dir", str(metrics_dir)]
     if not Path(cmd[0]).exists():
         cmd[0:1] = [sys.executable, "-m", "slime.cli"]
     (metrics_dir / "command.txt").write_text(" ".join(cmd) + "\n")
-    t0 = time.perf_counter()
-    stopped_early = False
-    stop_s = None
     with open(metrics_dir / "train.log", "w") as log:
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_default_sigint
+        return subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_default_sigint,
+            env={**os.environ, **(env or {})},
         )
-        try:
-            while proc.poll() is None:
-                time.sleep(1.0)
-                if stop is not None and not stopped_early and stop(eval_curve(metrics_dir)):
-                    stopped_early = True
-                    stop_s = time.perf_counter() - t0
+
+
+def run_slime(flags: list[str], metrics_dir: Path, stop: Callable[[list[tuple[int, float]]], bool] | None) -> dict:
+    """Run `slime train FLAGS`, stopped (see `_stop_group`) once `stop(eval_curve)` holds; returns wall times."""
+    return run_side_by_side({"run": (flags, metrics_dir, stop)})["run"]
+
+
+def run_side_by_side(
+    jobs: dict[str, tuple[list[str], Path, Callable[[list[tuple[int, float]]], bool] | None]],
+    env: dict[str, str] | None = None,
+) -> dict[str, dict]:
+    """Run several `slime train`s at once (name -> flags, metrics dir, stop condition); wall times per name."""
+    t0 = time.perf_counter()
+    procs = {name: _launch(flags, d, env) for name, (flags, d, _) in jobs.items()}
+    stop_s: dict[str, float] = {}
+    walls: dict[str, float] = {}
+    try:
+        while len(walls) < len(procs):
+            time.sleep(1.0)
+            for name, proc in procs.items():
+                if name in walls:
+                    continue
+                _, d, stop = jobs[name]
+                if proc.poll() is not None:
+                    walls[name] = time.perf_counter() - t0
+                elif stop is not None and name not in stop_s and stop(eval_curve(d)):
+                    stop_s[name] = time.perf_counter() - t0
                     _stop_group(proc)
-        except BaseException:
+    except BaseException:
+        for proc in procs.values():
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-            raise
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0 and not stopped_early:
-        raise RuntimeError(f"slime train failed (rc={proc.returncode}); see {metrics_dir / 'train.log'}")
-    out = {"wall_s": round(wall, 1), "stopped_early": stopped_early, "returncode": proc.returncode}
-    if stop_s is not None:
-        out["wall_to_stop_s"] = round(stop_s, 1)  # when the condition held; the rest is shutting down
+        raise
+    out = {}
+    for name, proc in procs.items():
+        stopped_early = name in stop_s
+        if proc.returncode != 0 and not stopped_early:
+            raise RuntimeError(f"slime train failed (rc={proc.returncode}); see {jobs[name][1] / 'train.log'}")
+        out[name] = {"wall_s": round(walls[name], 1), "stopped_early": stopped_early, "returncode": proc.returncode}
+        if stopped_early:
+            out[name]["wall_to_stop_s"] = round(stop_s[name], 1)  # when the condition held; the rest is shutdown
     return out
 
 
@@ -160,6 +188,8 @@ def rl_flags(a: argparse.Namespace, checkpoint: Path, train: Path, num_rollout: 
         flags.append("--calculate-per-token-loss")
     if a.kl_loss_coef:
         flags += ["--use-kl-loss", "--kl-loss-coef", str(a.kl_loss_coef), "--kl-loss-type", "low_var_kl"]
+    if not a.rl_recompute_logprobs:
+        flags.append("--use-rollout-logprobs")
     return flags
 
 
@@ -241,6 +271,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="--calculate-per-token-loss: short answers get no larger per-token weight than long ones",
     )
     g.add_argument("--rl-lr-warmup", type=int, default=10, help="--lr-warmup-iters of the RL runs")
+    g.add_argument(
+        "--rl-recompute-logprobs",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="recompute π_old in the trainer; default: the engine's log-probs (--use-rollout-logprobs), one forward "
+        "per step less: weights are synced every step, and the two agree to ~1e-5 (tests/integration/"
+        "test_trainer_engine_agreement.py)",
+    )
     g.add_argument("--kl-loss-coef", type=float, default=0.2, help="low_var_kl to the RL start checkpoint")
     g.add_argument(
         "--rl-batch", type=int, default=256, help="prompts per rollout (one step each); larger: quieter random control"
@@ -251,6 +289,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--target", type=float, default=0.9)
     g.add_argument("--control-tolerance", type=float, default=0.05)
     g.add_argument("--skip-controls", action="store_true")
+    g.add_argument(
+        "--parallel-controls",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the two controls at once (each trainer on half the cores); their wall times then overlap",
+    )
     g = p.add_argument_group("execution")
     g.add_argument(
         "--n-samples-per-eval-prompt", type=int, default=8, help="RL evals (SFT: see above); eval noise ~0.0045"
@@ -332,12 +376,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # ---- 3. controls: same checkpoint, same number of steps ----------------------------------------------
     if not a.skip_controls:
         ctl = rl_flags(a, ckpt, paths["train"], steps)
-        logger.info("control --lr 0 (%d steps)", steps)
-        runs["lr0"] = run_slime([*ctl, "--lr", "0", *toy_rm, *toy_eval], work / "lr0", stop=None)
-        logger.info("control --rm-type random (%d steps)", steps)
         with ToyRewardServer() as srv:
             rnd = [*ctl, "--lr", str(a.rl_lr), "--rm-type", "random", "--rm-url", srv.url, "--metadata-key", RM_KEY]
-            runs["random"] = run_slime([*rnd, "--eval-prompt-data", "toy", str(eval_remote)], work / "random", None)
+            jobs = {
+                "lr0": ([*ctl, "--lr", "0", *toy_rm, *toy_eval], work / "lr0", None),
+                "random": ([*rnd, "--eval-prompt-data", "toy", str(eval_remote)], work / "random", None),
+            }
+            if a.parallel_controls:
+                # independent runs: side by side they fill the cores each leaves idle between its phases
+                logger.info("controls --lr 0 and --rm-type random side by side (%d steps each)", steps)
+                threads = str(max(1, int(os.environ["SLIME_CPU_THREADS"]) // 2))
+                runs.update(run_side_by_side(jobs, env={"SLIME_CPU_THREADS": threads}))
+            else:
+                for name, (flags, d, _) in jobs.items():
+                    logger.info("control %s (%d steps)", name, steps)
+                    runs[name] = run_slime(flags, d, stop=None)
     res["rl"] = runs
     res["total_wall_s"] = round(time.perf_counter() - t_all, 1)
     return finish(a, res)

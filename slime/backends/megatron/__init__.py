@@ -9,6 +9,8 @@ import costs ~7 s):
 - `hf_config`: `read_hf_config(hf_checkpoint) -> HFModelSpec`, `transformer_config_kwargs`, `padded_vocab_size`.
 - `model_provider`: `build_gpt_model(args, spec)`, `model_provider(args, spec)`, `gpt_layer_spec(spec)`.
 - `attention`: `SDPACoreAttention`, the core attention for packed (THD) sequences, GQA, CPU and GPU.
+- `rope`: `PositionalRotaryEmbedding`, RoPE angles from each packed token's own position (shared prompts).
 - `hf_weights`: `load_hf_weights(model, hf_dir, spec, ps)`, `export_hf_weights(model, spec, ps, bucket_bytes)`.
-- `packing`: `pack_samples(token_lists, pad_multiple)`, `unpack`, `unpack_logits`.
+- `packing`: `pack_samples(token_lists, pad_multiple, prompt_lengths=None)` (with prompt lengths, samples of
+  one prompt share its rows), `unpack`, `unpack_logits`.
 """

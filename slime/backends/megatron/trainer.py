@@ -121,7 +121,7 @@ class MegatronTrainer:
     def _forward_logits(self, mb: dict[str, Any]) -> tuple[torch.Tensor, PackedBatch]:
         tokens = mb["tokens"] if mb["tokens"] else [[0]]
         prompts = None
-        if self.args.share_prompt_prefix and mb["tokens"]:
+        if self.args.share_prompt_prefix and mb["tokens"] and "response_lengths" in mb:
             prompts = [t - r for t, r in zip(mb["total_lengths"], mb["response_lengths"], strict=True)]
         packed = pack_samples(tokens, device=_device(), prompt_lengths=prompts)
         logits = self.model(packed.tokens, packed.position_ids, None, packed_seq_params=packed.packed_seq_params)
