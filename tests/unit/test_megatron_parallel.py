@@ -124,14 +124,14 @@ def _worker(rank: int, world: int, port: int, ckpts: dict[str, str], out_dir: st
                 # prompt sharing: siblings of one prompt (one with an empty response) next to a lone sample
                 shared, plens = _shared_prompt_samples(seqs)
                 sp = packing.pack_samples(shared, pad_multiple=8, prompt_lengths=plens)
-                out = model(sp.tokens, sp.position_ids, None, packed_seq_params=sp.packed_seq_params)
+                out_sp = model(sp.tokens, sp.position_ids, None, packed_seq_params=sp.packed_seq_params)
                 shared_single = [full_logits(model(s[None], torch.arange(len(s))[None], None)[0]) for s in shared]
                 r = {
                     "hf_vs_mcore": max((a - b).abs().max().item() for a, b in zip(ref, single, strict=True)),
                     "packed_vs_single": max((a - b).abs().max().item() for a, b in zip(per, single, strict=True)),
                     "shared_vs_single": max(
                         (a - b).abs().max().item()
-                        for a, b in zip(packing.unpack_logits(full_logits(out), sp), shared_single, strict=True)
+                        for a, b in zip(packing.unpack_logits(full_logits(out_sp), sp), shared_single, strict=True)
                     ),
                     "shared_rows": (sp.total_len - sp.pad, sum(len(s) for s in shared)),
                     "logit_scale": max(a.abs().max().item() for a in ref),

@@ -124,6 +124,8 @@ class MegatronTrainer:
         if self.args.share_prompt_prefix and mb["tokens"] and "response_lengths" in mb:
             prompts = [t - r for t, r in zip(mb["total_lengths"], mb["response_lengths"], strict=True)]
         packed = pack_samples(tokens, device=_device(), prompt_lengths=prompts)
+        if mb["tokens"] and "total_lengths" in mb and packed.lengths != list(mb["total_lengths"]):
+            raise ValueError(f"micro-batch token counts {packed.lengths} differ from total_lengths")
         logits = self.model(packed.tokens, packed.position_ids, None, packed_seq_params=packed.packed_seq_params)
         return mask_padded_vocab(logits[0], self.spec.vocab_size, self.ps.rank("tp")), packed
 
