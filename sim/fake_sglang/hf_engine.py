@@ -103,7 +103,7 @@ class HFEngine(Engine):
         return int(self.model.config.vocab_size)
 
     @staticmethod
-    def _left_pad(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _left_pad(seqs: list[list[int]] | list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
         mask = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -121,7 +121,7 @@ class HFEngine(Engine):
         """
         unique: dict[tuple[int, ...], int] = {}
         row = [unique.setdefault(tuple(s), len(unique)) for s in seqs]
-        ids, mask = (x.to(self.device) for x in self._left_pad([list(s) for s in unique]))
+        ids, mask = (x.to(self.device) for x in self._left_pad(list(unique)))
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=self.kv_cache)
         layers = self._plain_layers(getattr(out, self._cache_kw)) if self.kv_cache else None

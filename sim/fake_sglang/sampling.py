@@ -71,13 +71,11 @@ def sample_batch(
     sampled = [i for i, g in enumerate(greedy) if not g]
     if sampled:
         probs = torch.softmax(scaled[sampled], dim=-1)
-        normalised = probs / probs.sum(dim=-1, keepdim=True)
         for j, i in enumerate(sampled):
             _, top_p, top_k, min_p = params[i]
+            row = probs[j]  # multinomial needs no normalised row; filter_probs renormalises what it keeps
             if top_p < 1.0 or top_k > 0 or min_p > 0.0:
-                row = filter_probs(probs[j], top_p=top_p, top_k=top_k, min_p=min_p)
-            else:
-                row = normalised[j]
+                row = filter_probs(row, top_p=top_p, top_k=top_k, min_p=min_p)
             tokens[i] = int(torch.multinomial(row, 1, generator=generators[i]))
     picked = logprobs.gather(-1, torch.tensor(tokens, dtype=torch.long)[:, None])[:, 0].tolist()
     return list(zip(tokens, picked, strict=True))

@@ -77,11 +77,7 @@ def sum_of_group_mean(
     One weighted sum over the concatenated tokens: a micro-batch holds hundreds of samples, and a loop over
     them cost more than the model's forward on short RL samples.
     """
-    _check_sizes(values, masks, group_denoms)
-    if not values:
-        return torch.zeros(())
-    flat = torch.cat([v.reshape(-1) for v in values])
-    return (flat * _token_weights(masks, group_denoms, per_token, flat)).sum()
+    return make_reducer(masks, group_denoms, per_token=per_token)(values)
 
 
 def make_reducer(masks: Sequence[torch.Tensor], group_denoms: Sequence[float], *, per_token: bool = False) -> Reducer:

@@ -247,8 +247,15 @@ def test_update_weights_from_disk_and_release_resume(server, ckpt):
     c.post("/update_weight_version", json={"new_version": "default"})
 
 
-def test_stop_strings_stop_token_ids_and_request_log(server):
+def test_stop_strings_stop_token_ids_and_request_log(server, ckpt):
+    from safetensors.torch import load_file
+
     c = server.client
+    # An update of its own (the served weights again): the module-scoped server may be fresh when xdist
+    # interleaves modules, so the log cannot rely on another test's update.
+    body, keep = build_update_body(list(load_file(str(ckpt / "model.safetensors")).items()), weight_version="default")
+    assert c.post("/update_weights_from_tensor", json=body).json()["success"] is True
+    del keep
     first = gen(c, input_ids=[3, 4, 5], sampling_params={"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True})
     stop_id = first["output_ids"][2]
     out = gen(

@@ -46,7 +46,8 @@ class PositionalRotaryEmbedding(torch.nn.Module):
         positions = getattr(params, "_slime_positions", None)
         if positions is None:
             return self.inner(max_seq_len, offset=offset, packed_seq=packed_seq, cp_group=cp_group)
-        table = self.inner(int(positions.max()) + 1, packed_seq=True, cp_group=cp_group)  # [P, 1, 1, dim]
+        # positions < max_seqlen_q (packing.py sets it to the longest prompt + branch): no host sync on GPU
+        table = self.inner(int(params.max_seqlen_q), packed_seq=True, cp_group=cp_group)  # [P, 1, 1, dim]
         params._slime_rope_applied = True
         return table.index_select(0, positions.to(table.device))
 
