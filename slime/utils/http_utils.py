@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
+import random
 import socket
 import subprocess
 import time
@@ -24,20 +25,53 @@ logger = logging.getLogger(__name__)
 _sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = weakref.WeakKeyDictionary()
 
 
+# Ports handed out by the OS (bind to port 0) come from the ephemeral range, the same range every outgoing
+# connection (HTTP clients, gloo's rank-to-rank sockets) takes its source port from: a port picked there can be
+# taken by a connection before its server binds it (seen as EADDRINUSE in TCPStore under parallel tests). So
+# ports are picked at random below that range, and above Ray's default worker ports (10002-19999).
+_PICK_LOW = 20000
+_issued: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def find_free_port(start: int | None = None, host: str = "127.0.0.1") -> int:
-    """A port free on `host` now: the OS's pick, or the first free one at or above `start`."""
-    if start is None:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            return s.getsockname()[1]
-    for port in range(start, 65536):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port on {host} at or above {start}")
+    """A port free on `host` now, outside the ephemeral range where possible; or the first free one at or above
+    `start`. A port is not handed out twice by one process."""
+    if start is not None:
+        for port in range(start, 65536):
+            if port not in _issued and _bindable(host, port):
+                _issued.add(port)
+                return port
+        raise RuntimeError(f"no free port on {host} at or above {start}")
+    high = _ephemeral_low()
+    if high - _PICK_LOW >= 1000:
+        rng = random.SystemRandom()  # not the seeded global RNG: forked workers must not draw the same ports
+        for _ in range(200):
+            port = rng.randrange(_PICK_LOW, high)
+            if port not in _issued and _bindable(host, port):
+                _issued.add(port)
+                return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a crowded or unusual range: the OS's pick
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    _issued.add(port)
+    return port
 
 
 def wait_for_http(url: str, timeout: float, proc: subprocess.Popen | None = None, interval: float = 0.2) -> None:

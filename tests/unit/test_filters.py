@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import threading
@@ -74,7 +75,17 @@ def test_run_from_threads_shares_one_loop() -> None:
 
 def test_find_free_port_and_wait_for_dead_process() -> None:
     port = find_free_port()
-    assert find_free_port(port) >= port
+    assert find_free_port(port) > port  # `port` itself was handed out already
+    picked = {find_free_port() for _ in range(50)}
+    assert len(picked) == 50 and port not in picked  # never the same port twice in one process
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    assert all(20000 <= p < low for p in picked | {port})  # below the range outgoing connections draw from
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    try:
+        assert find_free_port(taken.getsockname()[1]) != taken.getsockname()[1]
+    finally:
+        taken.close()
     proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     try:
         with pytest.raises(RuntimeError, match="exited with code 3"):
