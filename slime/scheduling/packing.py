@@ -20,19 +20,39 @@ logger = logging.getLogger(__name__)
 Prompt = tuple[Hashable, int] | None
 
 
+class _Bin:
+    """A micro-batch being filled: its items, its packed load, and the prompts it already holds."""
+
+    __slots__ = ("items", "load", "_keys", "_lengths", "_prompts")
+
+    def __init__(self, lengths: Sequence[int], prompts: Sequence[Prompt] | None) -> None:
+        self.items: list[int] = []
+        self.load = 0
+        self._keys: set[Hashable] = set()
+        self._lengths = lengths
+        self._prompts = prompts
+
+    def _prompt(self, i: int) -> Prompt:
+        return self._prompts[i] if self._prompts is not None else None
+
+    def cost(self, i: int) -> int:
+        p = self._prompt(i)
+        return self._lengths[i] - p[1] if p is not None and p[0] in self._keys else self._lengths[i]
+
+    def add(self, i: int) -> None:
+        self.load += self.cost(i)
+        self.items.append(i)
+        p = self._prompt(i)
+        if p is not None:
+            self._keys.add(p[0])
+
+
 def packed_load(items: Iterable[int], lengths: Sequence[int], prompts: Sequence[Prompt] | None = None) -> int:
     """Tokens a micro-batch of `items` occupies: every sample's length, less each repeat of a shared prompt."""
-    seen: set[Hashable] = set()
-    load = 0
+    b = _Bin(lengths, prompts)
     for i in items:
-        load += lengths[i]
-        p = prompts[i] if prompts is not None else None
-        if p is not None:
-            if p[0] in seen:
-                load -= p[1]
-            else:
-                seen.add(p[0])
-    return load
+        b.add(i)
+    return b.load
 
 
 def first_fit(lengths: Sequence[int], capacity: int, prompts: Sequence[Prompt] | None = None) -> list[list[int]]:
@@ -44,24 +64,14 @@ def first_fit(lengths: Sequence[int], capacity: int, prompts: Sequence[Prompt] |
     """
     if capacity <= 0:
         raise ValueError(f"first_fit: capacity must be positive, got {capacity}")
-    bins: list[list[int]] = []
-    loads: list[int] = []
-    keys: list[set[Hashable]] = []
-    for i, n in enumerate(lengths):
-        p = prompts[i] if prompts is not None else None
-        for b, load in enumerate(loads):
-            cost = n - p[1] if p is not None and p[0] in keys[b] else n
-            if load + cost <= capacity:
-                bins[b].append(i)
-                loads[b] += cost
-                if p is not None:
-                    keys[b].add(p[0])
-                break
-        else:
-            bins.append([i])
-            loads.append(n)
-            keys.append({p[0]} if p is not None else set())
-    return bins
+    bins: list[_Bin] = []
+    for i in range(len(lengths)):
+        target = next((b for b in bins if b.load + b.cost(i) <= capacity), None)
+        if target is None:
+            target = _Bin(lengths, prompts)
+            bins.append(target)
+        target.add(i)
+    return [b.items for b in bins]
 
 
 def _split_units(items: list[int], prompts: Sequence[Prompt] | None) -> list[list[int]]:
@@ -93,12 +103,13 @@ def split_bins(
         b = max(splittable, key=lambda j: (packed_load(bins[j], lengths, prompts), -j))
         units = _split_units(bins[b], prompts)
         weights = [packed_load(u, lengths, prompts) for u in units]
-        halves: tuple[list[int], list[int]] = ([], [])
+        halves = (_Bin(lengths, prompts), _Bin(lengths, prompts))
         for u in sorted(range(len(units)), key=lambda u: (-weights[u], units[u][0])):
-            h = 0 if packed_load(halves[0], lengths, prompts) <= packed_load(halves[1], lengths, prompts) else 1
-            halves[h].extend(units[u])
-        bins[b] = sorted(halves[0])
-        bins.insert(b + 1, sorted(halves[1]))
+            half = halves[0] if halves[0].load <= halves[1].load else halves[1]
+            for i in units[u]:
+                half.add(i)
+        bins[b] = sorted(halves[0].items)
+        bins.insert(b + 1, sorted(halves[1].items))
     return bins
 
 

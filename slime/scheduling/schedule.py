@@ -28,6 +28,8 @@ holds a single oversize sample; empty micro-batches appear only when the step ha
 
 from __future__ import annotations
 
+import array
+import hashlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -302,10 +304,11 @@ def build_schedule_from_args(args: Any, samples: Sequence[Any], parallel_config:
 
 
 def sample_prompts(samples: Sequence[Any]) -> list[Prompt]:
-    """Each sample's (prompt tokens, prompt length) as the trainer's packer groups them: the tokens before the
-    response; an empty prompt shares nothing."""
+    """Each sample's prompt as the trainer's packer groups them (the tokens before the response; an empty prompt
+    shares nothing), identified by a 128-bit digest: long agent prompts would cost a tuple of every token."""
     out: list[Prompt] = []
     for s in samples:
         p = len(s.tokens) - s.response_length
-        out.append((tuple(s.tokens[:p]), p) if p > 0 else None)
+        digest = hashlib.blake2b(array.array("q", s.tokens[:p]).tobytes(), digest_size=16).digest()
+        out.append((digest, p) if p > 0 else None)
     return out

@@ -222,3 +222,37 @@ def test_grpo_prompts_fill_micro_batches_by_packed_tokens():
     # splitting a bin that holds several prompts keeps each prompt's siblings together
     halves = split_bins(shared[:1], lengths, 2, prompts)
     assert [sorted({prompts[i][0][0] for i in h}) for h in halves] == [[0], [1]]
+
+
+def test_schedule_from_args_shares_prompts_only_with_the_flag():
+    """`build_schedule_from_args` tells the schedule the prompts exactly when `--share-prompt-prefix` is on;
+    siblings of one prompt get one identity, different prompts (or lengths) different ones, none for no prompt."""
+    import types
+
+    from slime.scheduling import build_schedule_from_args
+    from slime.scheduling.schedule import sample_prompts
+    from slime.utils.types import Sample
+
+    prompts = [[7] * 90, [8] * 90, [7] * 89]
+    samples = [
+        Sample(index=g, group_id=g * 4 + k, tokens=prompts[g] + [1] * 10, response_length=10)
+        for g in range(3)
+        for k in range(4)
+    ] + [Sample(index=3, group_id=99, tokens=[5] * 20, response_length=20)]
+    keys = sample_prompts(samples)
+    assert keys[-1] is None
+    assert len({keys[i] for i in range(4)}) == 1 and keys[0][1] == 90
+    assert len({k[0] for k in keys[:-1]}) == 3  # same tokens but shorter, or other tokens: other prompts
+    args = types.SimpleNamespace(
+        global_batch_size=13, micro_batch_size=1, use_dynamic_batch_size=True, max_tokens_per_gpu=400,
+        balance_data=False, allow_partial_last_step=False, share_prompt_prefix=False,
+    )  # fmt: skip
+    plain = build_schedule_from_args(args, samples, {"dp_size": 1, "cp_size": 1})
+    args.share_prompt_prefix = True
+    shared = build_schedule_from_args(args, samples, {"dp_size": 1, "cp_size": 1})
+    assert plain.num_microbatches == [4]  # 12 samples of 100, 4 per micro-batch, then the 20-token one
+    # packed, the three prompts and their 4 branches each fit one micro-batch: 130 + 130 + (89 + 40); the
+    # 20-token sample would make it 409
+    assert shared.num_microbatches == [2]
+    lengths = [len(s.tokens) for s in samples]
+    assert [packed_load(mb, lengths, keys) for mb in shared.steps[0].micro_batches[0]] == [389, 20]
