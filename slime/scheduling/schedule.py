@@ -10,9 +10,7 @@ samples is one group. The plan is built "pack first, distribute second":
    (`slime.scheduling.carry`). With `allow_partial_last_step` they instead form a last step of b < B groups
    whose loss is divided by b and whose LR-scheduler increment is b. Nothing is padded.
 3. Each step's samples are packed into micro-batches: dynamic (first-fit, capacity `max_tokens_per_gpu *
-   cp_size`; an oversize sample sits alone) or static (consecutive chunks of `micro_batch_size`). With
-   `prompts` (the trainer's `--share-prompt-prefix`), a micro-batch's load counts a prompt its samples share
-   once, as the trainer packs it (`packing.packed_load`).
+   cp_size`; an oversize sample sits alone) or static (consecutive chunks of `micro_batch_size`).
 4. The micro-batch count K is raised to a multiple of dp (times the VPP micro-batch group size), by
    splitting the heaviest multi-sample micro-batches (dynamic only). If the step has too few samples for
    that, the remaining micro-batches are *empty* (`[]`): the trainer runs them as a zero-loss pass so every
@@ -21,21 +19,19 @@ samples is one group. The plan is built "pack first, distribute second":
    (`balance_data`). Every rank runs K/dp micro-batches per step (pipeline parallelism needs equal counts).
 
 Invariants (tests/property/test_schedule*.py): every scheduled sample is placed exactly once; every rank has
-the same number of micro-batches per step; every micro-batch's packed load respects the token cap unless it
-holds a single oversize sample; empty micro-batches appear only when the step has fewer samples (dynamic) or chunks
+the same number of micro-batches per step; every micro-batch respects the token cap unless it holds a single
+oversize sample; empty micro-batches appear only when the step has fewer samples (dynamic) or chunks
 (static) than micro-batch slots; no group spans two steps; scheduled + left-over = the input samples.
 """
 
 from __future__ import annotations
 
-import array
-import hashlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from slime.scheduling.packing import Prompt, first_fit, karmarkar_karp, packed_load, split_bins
+from slime.scheduling.packing import first_fit, karmarkar_karp, split_bins
 from slime.utils.errors import SlimeArgError
 
 logger = logging.getLogger(__name__)
@@ -130,7 +126,6 @@ def _pack_step(
     micro_batch_size: int,
     use_dynamic_batch_size: bool,
     capacity: int | None,
-    prompts: list[Prompt] | None = None,
 ) -> list[list[int]]:
     """Micro-batches of one step as local indices into `lengths`, their count a multiple of `align`.
 
@@ -140,14 +135,14 @@ def _pack_step(
     """
     if use_dynamic_batch_size:
         assert capacity is not None
-        bins = first_fit(lengths, capacity, prompts)
+        bins = first_fit(lengths, capacity)
     else:
         bins = [
             list(range(i, min(i + micro_batch_size, len(lengths)))) for i in range(0, len(lengths), micro_batch_size)
         ]
     target = max(align, -(-len(bins) // align) * align)
     if use_dynamic_batch_size:
-        bins = split_bins(bins, lengths, target, prompts)
+        bins = split_bins(bins, lengths, target)
     if len(bins) < target:
         logger.warning(
             "an optimizer step of %d samples fills only %d of %d micro-batches (dp x microbatch-group = %d); "
@@ -177,16 +172,10 @@ def build_schedule(
     max_tokens_per_gpu: int | None = None,
     balance_data: bool = False,
     allow_partial_last_step: bool = False,
-    prompts: Sequence[Prompt] | None = None,
 ) -> Schedule:
-    """Plan the optimizer steps of one rollout. See the module docstring for the rules and invariants.
-
-    `prompts[i]` is sample i's (prompt identity, prompt length) when the trainer shares identical prompts
-    within a micro-batch, else None (or `prompts` None: nothing shared)."""
+    """Plan the optimizer steps of one rollout. See the module docstring for the rules and invariants."""
     if len(total_lengths) != len(group_ids):
         raise ValueError(f"{len(total_lengths)} lengths but {len(group_ids)} group ids")
-    if prompts is not None and len(prompts) != len(total_lengths):
-        raise ValueError(f"{len(prompts)} prompts for {len(total_lengths)} samples")
     if dp_size <= 0 or cp_size <= 0:
         raise ValueError(f"dp_size and cp_size must be positive, got dp={dp_size} cp={cp_size}")
     capacity = None
@@ -208,18 +197,16 @@ def build_schedule(
     for gs in step_groups:
         sample_idx = [i for g in gs for i in groups[g]]
         lengths = [int(total_lengths[i]) for i in sample_idx]
-        step_prompts = [prompts[i] for i in sample_idx] if prompts is not None else None
         bins = _pack_step(
             lengths,
             align=align,
             micro_batch_size=micro_batch_size,
             use_dynamic_batch_size=use_dynamic_batch_size,
             capacity=capacity,
-            prompts=step_prompts,
         )
         k = len(bins)
         if balance_data:
-            rank_bins = karmarkar_karp([packed_load(b, lengths, step_prompts) for b in bins], dp_size, equal_size=True)
+            rank_bins = karmarkar_karp([sum(lengths[i] for i in b) for b in bins], dp_size, equal_size=True)
         else:
             rank_bins = [list(range(r, k, dp_size)) for r in range(dp_size)]
         step_mbs: list[list[list[int]]] = []
@@ -299,16 +286,4 @@ def build_schedule_from_args(args: Any, samples: Sequence[Any], parallel_config:
         max_tokens_per_gpu=getattr(args, "max_tokens_per_gpu", None),
         balance_data=bool(getattr(args, "balance_data", False)),
         allow_partial_last_step=bool(getattr(args, "allow_partial_last_step", False)),
-        prompts=sample_prompts(samples) if getattr(args, "share_prompt_prefix", False) else None,
     )
-
-
-def sample_prompts(samples: Sequence[Any]) -> list[Prompt]:
-    """Each sample's prompt as the trainer's packer groups them (the tokens before the response; an empty prompt
-    shares nothing), identified by a 128-bit digest: long agent prompts would cost a tuple of every token."""
-    out: list[Prompt] = []
-    for s in samples:
-        p = len(s.tokens) - s.response_length
-        digest = hashlib.blake2b(array.array("q", s.tokens[:p]).tobytes(), digest_size=16).digest()
-        out.append((digest, p) if p > 0 else None)
-    return out
