@@ -1,11 +1,13 @@
 """Core attention of a shared-prompt micro-batch on one GPU: which SDPA kernel a branch gets, and what it costs.
 
 A branch of a shared prompt (packing.py) attends to the whole prompt and causally to itself: a bottom-right
-causal mask over [prompt + own] keys. Given as a boolean tensor, CUDA's SDPA cannot use the flash kernel; given
-as `causal_lower_right` (a CausalBias) it can. This bench runs one layer's core attention, forward and
-backward, on a packed row of GRPO-like samples (one or more prompts, n branches each) with the mask in both
-forms, plus the same samples unshared, and reports time and peak memory. It also checks that the outputs and
-gradients of the two mask forms agree.
+causal mask over [prompt + own] keys, which slime's core attention passes as a boolean tensor. A tensor mask
+rules out the flash kernel, and GQA rules out the efficient one: had CUDA's SDPA fallen back to the math kernel,
+it would materialise [n, heads, len_q, len_kv] scores. This bench checks which kernels accept a branch bucket,
+and runs one layer's core attention, forward and backward, on packed rows of GRPO- and agent-like samples:
+shared with the boolean mask (what slime does), shared with `causal_lower_right` (torch's CausalBias, flash
+-eligible), and unshared. It reports time and peak memory, and how far the two mask forms' outputs and
+gradients differ.
 
 Usage (GPU host): python -m bench.branch_attention_gpu --out bench/results/branch_attention_gpu.json
 """
@@ -19,6 +21,7 @@ import time
 import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
+from torch.nn.attention.bias import causal_lower_right
 from tqdm import tqdm
 
 from slime.backends.megatron import attention
@@ -66,10 +69,10 @@ def _run(core, packed, variant: str, reps: int) -> dict:
         if hasattr(params, attr):
             delattr(params, attr)
     plan = attention._length_buckets(params, torch.device("cuda"))
-    if variant == "bool mask":  # what the buckets held before: the mask materialised as a boolean tensor
+    if variant == "causal bias":  # the alternative: the same bottom-right mask as torch's CausalBias
         for b in plan:
             if b.mask is not None:
-                b.mask = b.mask._materialize(torch.device("cuda"))
+                b.mask = causal_lower_right(b.len_q, b.len_kv)
     t = packed.tokens.numel()
     g = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(t, HEADS, HN, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
@@ -108,7 +111,7 @@ def _kernels(packed) -> dict:
     q = torch.randn(n, HEADS, b.len_q, HN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(n, GROUPS, b.len_kv, HN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     out = {}
-    for form, mask in (("causal bias", b.mask), ("bool mask", b.mask._materialize(torch.device("cuda")))):
+    for form, mask in (("bool mask", b.mask), ("causal bias", causal_lower_right(b.len_q, b.len_kv))):
         ok = []
         for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
             try:
@@ -132,8 +135,8 @@ def main() -> None:
         shared, tokens = _row(prompts, branches, plen, resp, share=True)
         plain, _ = _row(prompts, branches, plen, resp, share=False)
         kernels = _kernels(shared)
-        res = {v: _run(core, shared, v, a.reps) for v in ("causal bias", "bool mask")}
-        res["unshared"] = _run(core, plain, "causal bias", a.reps)
+        res = {v: _run(core, shared, v, a.reps) for v in ("bool mask", "causal bias")}
+        res["unshared"] = _run(core, plain, "bool mask", a.reps)
         diff = max(
             (res["causal bias"]["out"] - res["bool mask"]["out"]).abs().max().item(),
             *[
@@ -156,8 +159,8 @@ def main() -> None:
         torch.cuda.empty_cache()
     for r in rows:
         print(json.dumps(r))
-    ratio = [r["bool mask ms"] / r["causal bias ms"] for r in rows]
-    print("time ratio bool/bias:", [round(x, 2) for x in ratio])
+    print("time ratio bool mask / causal bias:", [round(r["bool mask ms"] / r["causal bias ms"], 2) for r in rows])
+    print("time ratio unshared / shared:", [round(r["unshared ms"] / r["bool mask ms"], 2) for r in rows])
     with open(a.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
 

@@ -28,7 +28,6 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +156,7 @@ class _Bucket:
     starts: tuple[int, int]  # (q, kv) start of the first segment: the view path when it is alone
     rows_q: torch.Tensor | None  # None: a single segment without a shared prompt, sliced as views
     rows_kv: torch.Tensor | None
-    mask: CausalBias | None  # [len_q, len_kv] bottom-right causal, for branches (prompt + causal own tokens)
+    mask: torch.Tensor | None  # [len_q, len_kv] allowed, for branches (prompt + causal own tokens)
 
 
 def _segments(params: PackedSeqParams) -> list[tuple[int, int, int, int, int, int]]:
@@ -205,10 +204,7 @@ def _length_buckets(params: PackedSeqParams, device: torch.device) -> list[_Buck
         mask = None
         if pl:
             rows_kv = torch.cat([st[:, 2:] + torch.arange(pl, device=device), rows_kv], dim=1)
-            # bottom-right causal as a CausalBias, not a boolean tensor: with a tensor mask CUDA's SDPA cannot
-            # use the flash kernel (and GQA rules out the efficient one), so it fell back to the math kernel,
-            # which materialises [n, heads, len_q, len_kv] scores (bench/branch_attention_gpu.py).
-            mask = causal_lower_right(len_q, pl + len_kv)
+            mask = torch.ones(len_q, pl + len_kv, dtype=torch.bool, device=device).tril(diagonal=pl)
         plan.append(_Bucket(len_q, pl + len_kv, first, rows_q, rows_kv, mask))
     params._slime_length_buckets = plan  # megatron's dataclass has no slots: a plain attribute
     return plan
