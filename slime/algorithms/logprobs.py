@@ -202,14 +202,40 @@ def response_logprobs_and_entropy(
         prompt = total - resp
         targets += [tok[prompt + lo : prompt + hi] for lo, hi in ranges]
         sizes.append(len(r))
+    tgt = torch.cat(targets).to(logits.device) if targets else torch.empty(0, dtype=torch.long, device=logits.device)
+    return _score_rows(
+        logits,
+        rows,
+        tgt,
+        sizes,
+        ps if vocab_parallel else None,
+        temperature=temperature,
+        vocab_start=vocab_start if vocab_parallel else 0,
+        with_entropy=with_entropy,
+        chunk_size=chunk_size,
+    )
+
+
+def _score_rows(
+    logits: torch.Tensor,
+    rows: list[int],
+    targets: torch.Tensor,
+    sizes: list[int],
+    ps: ParallelState | None,
+    *,
+    temperature: float,
+    vocab_start: int,
+    with_entropy: bool,
+    chunk_size: int,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The shared tail of both readers: score logits `rows` against `targets` in one call, split per sample."""
     idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    tgt = torch.cat(targets).to(logits.device) if targets else idx.new_empty(0)
     logp, ent = vocab_parallel_logprobs_and_entropy(
         logits.index_select(0, idx),
-        tgt,
-        ps if vocab_parallel else None,
+        targets,
+        ps,
         temperature,
-        vocab_start if vocab_parallel else 0,
+        vocab_start,
         with_entropy=with_entropy,
         chunk_size=chunk_size,
     )
@@ -247,14 +273,15 @@ def packed_response_logprobs_and_entropy(
         pred += rows[total - resp - 1 : total - 1]
         target += rows[total - resp : total]
     dev = logits.device
-    logp, ent = vocab_parallel_logprobs_and_entropy(
-        logits.index_select(0, torch.tensor(pred, dtype=torch.long, device=dev)),
-        row_tokens.reshape(-1).to(dev).index_select(0, torch.tensor(target, dtype=torch.long, device=dev)),
+    targets = row_tokens.reshape(-1).to(dev).index_select(0, torch.tensor(target, dtype=torch.long, device=dev))
+    return _score_rows(
+        logits,
+        pred,
+        targets,
+        list(response_lengths),
         ps,
-        temperature,
-        vocab_start,
+        temperature=temperature,
+        vocab_start=vocab_start,
         with_entropy=with_entropy,
         chunk_size=chunk_size,
     )
-    sizes = list(response_lengths)
-    return list(logp.split(sizes)), list(ent.split(sizes))

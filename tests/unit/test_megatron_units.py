@@ -280,8 +280,11 @@ def test_shared_prompt_packing_round_trips(data, pad_multiple):
     # every sample reads back exactly its own tokens at its own positions 0..L-1
     assert [t.tolist() for t in packing.unpack(p.tokens, p)] == samples
     assert [t.tolist() for t in packing.unpack(p.position_ids, p)] == [list(range(len(x))) for x in samples]
-    assert [p.sample_rows(i) for i in range(len(samples))] == [
-        t.tolist() for t in packing.unpack(torch.arange(p.total_len), p)
+    rows = [t.tolist() for t in packing.unpack(torch.arange(p.total_len), p)]
+    assert [p.sample_rows(i) for i in range(len(samples))] == rows
+    last = data.draw(st.integers(0, 12))  # the tail a response reader asks for, up to past the sample's start
+    assert [p.sample_rows(i, last=last) for i in range(len(samples))] == [
+        r[len(r) - min(last, len(r)) :] for r in rows
     ]
     # each distinct non-empty prompt shared by >= 2 samples is packed once; nothing else is saved
     by_prompt: dict[tuple, int] = {}

@@ -62,10 +62,13 @@ class PackedBatch:
     def shared(self) -> bool:
         return any(p for _, p, _, _ in self.layout)
 
-    def sample_rows(self, i: int) -> list[int]:
-        """Row of each of sample i's tokens, in order (length `lengths[i]`)."""
+    def sample_rows(self, i: int, last: int | None = None) -> list[int]:
+        """Row of each of sample i's tokens, in order (length `lengths[i]`); with `last`, of its last `last`
+        tokens only, so a reader of the response does not list a long shared prompt's rows per sample."""
         ps, pl, os_, ol = self.layout[i]
-        return [*range(ps, ps + pl), *range(os_, os_ + ol)]
+        n = pl + ol if last is None else min(max(last, 0), pl + ol)
+        from_prompt = max(n - ol, 0)
+        return [*range(ps + pl - from_prompt, ps + pl), *range(os_ + ol - (n - from_prompt), os_ + ol)]
 
 
 def _prompt_groups(seqs: list[list[int]], prompt_lengths: Sequence[int] | None) -> list[list[int]]:

@@ -133,7 +133,8 @@ class MegatronTrainer:
         return packed_response_logprobs_and_entropy(
             logits,
             packed.tokens,
-            [packed.sample_rows(i) for i in range(len(mb["tokens"]))],
+            # the rows of each response and of the token before it: all the reader scores
+            [packed.sample_rows(i, last=r + 1) for i, r in enumerate(mb["response_lengths"])],
             mb["response_lengths"],
             self.ps,
             temperature=self.args.rollout_temperature,
