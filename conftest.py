@@ -35,3 +35,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         if not hasattr(report, "wasxfail"):
             report.outcome = "failed"
             report.longrepr = f"cpu test skipped under CI=true (skips are failures in CI): {report.longrepr}"
+
+
+@pytest.fixture
+def make_args():
+    """`make_args(**overrides)`: test args built from the real parser (its defaults), never a hand-made namespace.
+
+    Property tests, which cannot take function-scoped fixtures inside `@given`, call
+    `slime.arguments.default_args` directly: it is this fixture."""
+    from slime.arguments import default_args
+
+    return default_args

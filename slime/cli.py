@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
             print(sglang_flags_help())
             return 0
         if command == "train":
-            from slime.utils.arguments import parse_args
+            from slime.arguments import parse_args
 
             args = parse_args(rest)
             _configure_logging()

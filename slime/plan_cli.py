@@ -19,13 +19,13 @@ from slime.backends.sglang.sglang_config import resolve_sglang_config
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, bool]:
-    from slime.utils.arguments import _reject_unknown, build_parser, validate_args
+    from slime.arguments import build_parser, reject_unknown, validate_args
 
     parser = build_parser()
     parser.prog = "slime plan"
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args, unknown = parser.parse_known_args(argv)
-    _reject_unknown(parser, unknown)
+    reject_unknown(parser, unknown)
     as_json = args.json
     del args.json
     if args.rollout_batch_size is None:
@@ -38,7 +38,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, bool]:
             # validate_args checks the checkpoint exists; a plan only needs its path as a label.
             open(os.path.join(stand_in, "config.json"), "w").close()
             args.hf_checkpoint = stand_in
-        validate_args(args)
+        validate_args(args, parser)
     args.hf_checkpoint = hf or "<--hf-checkpoint>"
     return args, as_json
 

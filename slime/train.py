@@ -1,4 +1,4 @@
-"""The synchronous driver loop (spec §1.3): placement → RolloutManager → train actors → rollout/train per id.
+"""The synchronous driver loop: placement → RolloutManager → train actors → rollout/train per rollout id.
 
 The driver never touches a GPU. Everything that can be wrong with the user's input is checked before
 `ray.init` (`preflight`), so a typo costs a second, not a cluster start-up.
@@ -93,16 +93,15 @@ def train(args: Namespace) -> dict:
 
         def update_weights(version: int) -> dict[str, float]:
             t0 = time.perf_counter()
-            urls = ray.get(manager.begin_weight_sync.remote())
+            engines = ray.get(manager.lock_weight_sync_engines.remote())
             try:
-                engines = [e for e in ray.get(manager.weight_sync_engines.remote()) if e["url"] in urls]
                 out = actors.update_weights(engines, version)
             finally:
-                ray.get(manager.end_weight_sync.remote())
+                ray.get(manager.unlock_weight_sync_engines.remote())
             return {**out, "time/weight_sync": time.perf_counter() - t0}
 
         def sync_and_onload(version: int | None) -> dict[str, float]:
-            """Colocated order (spec §1.3): weights memory back, weights in, then KV cache and CUDA graphs."""
+            """Colocated order: weights memory back, weights in, then KV cache and CUDA graphs."""
             if offload_rollout:
                 ray.get(manager.onload.remote(["weights"]))
             out = update_weights(version) if version is not None else {}

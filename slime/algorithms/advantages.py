@@ -102,22 +102,20 @@ def reinforce_plus_plus_baseline_rewards(
 def normalize_rewards_from_args(args: Any, samples: Sequence[Any]) -> list[float]:
     """The rollout-side reward post-processing of slime, keyed by prompt index (`Sample.group_index`)."""
     raw = [s.get_reward_value(args) for s in samples]
-    if getattr(args, "advantage_estimator", "grpo") not in _NORMALISED_ESTIMATORS or getattr(
-        args, "disable_rewards_normalization", False
-    ):
+    if args.advantage_estimator not in _NORMALISED_ESTIMATORS or args.disable_rewards_normalization:
         return raw
     std = (
         args.advantage_estimator in ("grpo", "gspo")
-        and not getattr(args, "disable_grpo_std_normalization", False)
-        and getattr(args, "n_samples_per_prompt", 1) > 1
+        and not args.disable_grpo_std_normalization
+        and args.n_samples_per_prompt > 1
     )
-    group_ids = [s.group_id if s.group_id is not None else s.index for s in samples]
+    group_ids = [s.train_group_id for s in samples]
     return normalize_rewards_by_prompt(
         raw,
         [s.group_index for s in samples],
         group_ids,
         std_normalization=std,
-        segment_reward=getattr(args, "fan_out_reward", "full"),
+        segment_reward=args.fan_out_reward,
     )
 
 
@@ -234,13 +232,11 @@ def compute_advantages_and_returns(
         sum(hi - lo for lo, hi in response_ranges_for_cp(t, r, cp_size, cp_rank))
         for t, r in zip(totals, resps, strict=True)
     ]
-    kl_coef = float(getattr(args, "kl_coef", 0.0) or 0.0)
-    log_probs = (
-        batch.get("rollout_log_probs") if getattr(args, "use_rollout_logprobs", False) else batch.get("log_probs")
-    )
+    kl_coef = args.kl_coef
+    log_probs = batch.get("rollout_log_probs") if args.use_rollout_logprobs else batch.get("log_probs")
     if kl_coef and log_probs:
         ref = batch["ref_log_probs"]
-        kl_type = getattr(args, "kl_loss_type", "k1")
+        kl_type = args.kl_loss_type
         kl = [
             compute_approx_kl(lp.detach(), r.detach(), kl_type).float() for lp, r in zip(log_probs, ref, strict=True)
         ]
@@ -248,9 +244,9 @@ def compute_advantages_and_returns(
         kl = [torch.zeros(n, dtype=torch.float32, device=device) for n in local_len]
     batch["kl"] = kl
 
-    estimator = getattr(args, "advantage_estimator", "grpo")
+    estimator = args.advantage_estimator
     rewards = [float(r) for r in batch["rewards"]]
-    if getattr(args, "custom_advantage_function_path", None):
+    if args.custom_advantage_function_path:
         load_function(args.custom_advantage_function_path)(args, batch)
         advantages, returns = list(batch["advantages"]), list(batch["returns"])
     elif estimator in ("grpo", "gspo"):
@@ -260,9 +256,7 @@ def compute_advantages_and_returns(
         returns = advantages
     elif estimator == "reinforce_plus_plus":
         full_kl = gather_response_over_cp(kl, totals, resps, ps)
-        full_ret = reinforce_plus_plus_returns(
-            rewards, full_kl, full_masks, kl_coef, float(getattr(args, "gamma", 1.0))
-        )
+        full_ret = reinforce_plus_plus_returns(rewards, full_kl, full_masks, kl_coef, float(args.gamma))
         advantages = [
             slice_response_for_cp(g, t, r, cp_size, cp_rank).float()
             for g, t, r in zip(full_ret, totals, resps, strict=True)
@@ -278,7 +272,7 @@ def compute_advantages_and_returns(
 
     advantages = [a.to(device) for a in advantages]
     returns = [r.to(device) for r in returns]
-    if getattr(args, "normalize_advantages", False):
+    if args.normalize_advantages:
         local_masks = [
             slice_response_for_cp(m, t, r, cp_size, cp_rank) for m, t, r in zip(full_masks, totals, resps, strict=True)
         ]

@@ -61,9 +61,9 @@ def validate_fan_out(output: Sequence[Any]) -> None:
             gid = ids[0]
         else:
             s = samples[0]
-            gid = s.group_id if s.group_id is not None else s.index
-            if gid is None:
+            if s.group_id is None and s.index is None:
                 continue
+            gid = s.train_group_id
         if gid in owner:
             raise SlimeArgError(
                 f"fan-out: group id {gid} is used by two trajectories ({_path(owner[gid])} and {_path(path)}); "
@@ -78,9 +78,9 @@ def flatten_samples(output: Sequence[Any]) -> list[Sample]:
 
 
 def assign_default_group_ids(samples: Sequence[Sample]) -> None:
-    """A sample without a group id is its own trajectory: group_id := index (slime v0.3.0's default)."""
+    """A sample without a group id is its own trajectory: its group id becomes `Sample.train_group_id`."""
     for s in samples:
-        if s.group_id is None:
-            if s.index is None:
-                raise SlimeArgError("a sample has neither group_id nor index; the data source must set Sample.index")
-            s.group_id = s.index
+        try:
+            s.group_id = s.train_group_id
+        except ValueError as e:
+            raise SlimeArgError(str(e)) from None

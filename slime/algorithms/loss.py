@@ -59,7 +59,7 @@ def _graph_anchor(log_probs: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def _old_log_probs(args: Any, batch: Mapping[str, Any], log_probs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    if getattr(args, "use_rollout_logprobs", False):
+    if args.use_rollout_logprobs:
         roll = batch.get("rollout_log_probs")
         if not roll:
             raise ValueError("--use-rollout-logprobs needs batch['rollout_log_probs']")
@@ -85,7 +85,7 @@ def policy_loss_function(
     # sequence-level pieces (GSPO, OPSM, TIS hooks) take per-sample lists.
     masks = list(batch["loss_masks"])
     denoms = list(batch["group_mask_sums"])
-    per_token = bool(getattr(args, "calculate_per_token_loss", False))
+    per_token = bool(args.calculate_per_token_loss)
     reduce = make_reducer(masks, denoms, per_token=per_token)
     log_probs = list(log_probs)
     lp_all = _cat(log_probs)
@@ -94,23 +94,23 @@ def policy_loss_function(
     old_all = _cat(old).to(dtype)
     adv_all = _cat(batch["advantages"]).to(dtype)
 
-    if getattr(args, "advantage_estimator", "grpo") == "gspo":
+    if args.advantage_estimator == "gspo":
         ppo_kl_all = _cat(gspo_ppo_kl(log_probs, old, masks, ps))
     else:
         ppo_kl_all = old_all - lp_all
-    eps_high = getattr(args, "eps_clip_high", None)
+    eps_high = args.eps_clip_high
     pg, clipfrac, dualfrac = compute_policy_loss(
         ppo_kl_all,
         adv_all,
         args.eps_clip,
         args.eps_clip if eps_high is None else eps_high,
-        getattr(args, "eps_clip_c", None),
+        args.eps_clip_c,
     )
     metrics: dict[str, torch.Tensor] = {}
 
-    if getattr(args, "use_opsm", False):
+    if args.use_opsm:
         advantages = _split(adv_all, log_probs)
-        keep, dropped = opsm_keep_masks(log_probs, old, advantages, masks, getattr(args, "opsm_delta", 1e-4), ps)
+        keep, dropped = opsm_keep_masks(log_probs, old, advantages, masks, args.opsm_delta, ps)
         pg = pg * _cat(keep)
         metrics["opsm_clipfrac"] = reduce(dropped)
 
@@ -118,10 +118,10 @@ def policy_loss_function(
     rollout = batch.get("rollout_log_probs")
     # the trainer's own π_old, even under --use-rollout-logprobs: TIS and the mismatch metric compare it with μ
     train_lp = list(batch["log_probs"]) if batch.get("log_probs") else [lp.detach() for lp in log_probs]
-    if getattr(args, "use_tis", False) or getattr(args, "get_mismatch_metrics", False):
+    if args.use_tis or args.get_mismatch_metrics:
         if not rollout:
             raise ValueError("--use-tis / --get-mismatch-metrics need batch['rollout_log_probs']")
-        path = getattr(args, "custom_tis_function_path", None)
+        path = args.custom_tis_function_path
         tis_fn: Callable[..., Any] = load_function(path) if path else vanilla_tis_function
         pg, pg_masks, tis_metrics = tis_fn(
             args=args,
@@ -139,7 +139,7 @@ def policy_loss_function(
             metrics[name] = reduce(value.detach().to(pg.dtype))
     pg_reduce = make_reducer(pg_masks, denoms, per_token=per_token) if pg_masks is not masks else reduce
 
-    reducer_path = getattr(args, "custom_pg_loss_reducer_function_path", None)
+    reducer_path = args.custom_pg_loss_reducer_function_path
     if reducer_path:
         # slime's hook: (total_lengths, response_lengths, loss_masks, per_token) -> fn(concatenated values)
         custom = load_function(reducer_path)(batch["total_lengths"], batch["response_lengths"], pg_masks, per_token)
@@ -149,12 +149,12 @@ def policy_loss_function(
 
     metrics["pg_clipfrac"] = reduce(clipfrac)
     metrics["ppo_kl"] = reduce(ppo_kl_all.detach())
-    if getattr(args, "eps_clip_c", None) is not None:
+    if args.eps_clip_c is not None:
         metrics["pg_clipfrac_lower"] = reduce(dualfrac)
     metrics["pg_loss"] = pg_loss
     loss = pg_loss
 
-    entropy_coef = float(getattr(args, "entropy_coef", 0.0) or 0.0)
+    entropy_coef = args.entropy_coef
     if entropy is not None:
         entropy_loss = reduce(_cat(list(entropy)))
         metrics["entropy_loss"] = entropy_loss
@@ -162,11 +162,11 @@ def policy_loss_function(
     elif entropy_coef:
         raise ValueError("--entropy-coef is set but no entropy was computed")
 
-    if getattr(args, "use_kl_loss", False):
+    if args.use_kl_loss:
         ref = batch.get("ref_log_probs")
         if not ref:
             raise ValueError("--use-kl-loss needs batch['ref_log_probs'] (from --ref-load or the initial weights)")
-        ratio = torch.exp(lp_all - old_all) if getattr(args, "use_unbiased_kl", False) else None
+        ratio = torch.exp(lp_all - old_all) if args.use_unbiased_kl else None
         kl_loss = reduce(compute_approx_kl(lp_all, _cat(ref), args.kl_loss_type, importance_ratio=ratio))
         metrics["kl_loss"] = kl_loss
         loss = loss + float(args.kl_loss_coef) * kl_loss
@@ -188,9 +188,7 @@ def sft_loss_function(
     ps: ParallelState | None = None,
 ) -> LossResult:
     """Negative log-likelihood of the response tokens, group token mean like every other loss."""
-    reduce = make_reducer(
-        batch["loss_masks"], batch["group_mask_sums"], per_token=bool(getattr(args, "calculate_per_token_loss", False))
-    )
+    reduce = make_reducer(batch["loss_masks"], batch["group_mask_sums"], per_token=bool(args.calculate_per_token_loss))
     loss = -reduce(list(log_probs)) + _graph_anchor(log_probs)
     metrics = {"loss": loss}
     if entropy is not None:
@@ -213,7 +211,7 @@ def loss_function(
     where the reducer takes a list of per-sample tensors (our reducer) instead of slime's concatenated one.
     The value loss (critic) belongs to the PPO issue.
     """
-    loss_type = getattr(args, "loss_type", "policy_loss")
+    loss_type = args.loss_type
     if loss_type == "policy_loss":
         return policy_loss_function(args, batch, log_probs, entropy, ps)
     if loss_type == "sft_loss":
@@ -223,7 +221,7 @@ def loss_function(
         reduce = make_reducer(
             batch["loss_masks"],
             batch["group_mask_sums"],
-            per_token=bool(getattr(args, "calculate_per_token_loss", False)),
+            per_token=bool(args.calculate_per_token_loss),
         )
         return fn(args, batch, logits, reduce)
     raise ValueError(f"unknown loss type {loss_type!r}")

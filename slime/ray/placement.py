@@ -1,8 +1,9 @@
-"""Ray start-up and the single placement group (spec §1.2).
+"""Ray start-up and the single placement group that every train actor and engine lives in.
 
-On machines without GPUs Ray's resources are logical (design.md §6): the driver starts Ray with `num_gpus` =
-the placement group's size and actors request the same fractional GPUs as on GPU hosts (train actor 0.4,
-engine 0.2), so a 2-core laptop hosts a whole "8-GPU" topology.
+On machines without GPUs Ray's resources are logical: the driver starts Ray with `num_gpus` = the placement
+group's size and actors request the same fractional GPUs as on GPU hosts (train actor 0.4, engine 0.2), so a
+2-core laptop hosts a whole "8-GPU" topology. Bundles are ordered by node address, then GPU id, so logical
+GPU k of a multi-node run is the same on every run of the same cluster.
 """
 
 from __future__ import annotations
@@ -15,12 +16,16 @@ from argparse import Namespace
 from dataclasses import dataclass
 
 import ray
+import ray.exceptions
 from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from slime.utils.errors import SlimeArgError
+from slime.utils.http_utils import NODE_ADDRESS_ENV
+
 logger = logging.getLogger(__name__)
 
-# Keep Ray on loopback, no usage stats, no auth token file (dependency-probes §4).
+# A single-node Ray stays on loopback (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0), no usage stats, no auth token file.
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 # Ray must not narrow CUDA_VISIBLE_DEVICES per actor: engines address GPUs by base_gpu_id, as in slime.
 ACTOR_ENV = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "NCCL_CUMEM_ENABLE": "0"}
@@ -28,7 +33,8 @@ BUNDLE_CPU = 0.1
 
 
 def placement_group_size(args: Namespace) -> tuple[int, int]:
-    """(bundles, rollout offset) as spec §1.2 computes them ([HEAD] colocate rule: the larger of the two)."""
+    """(bundles, rollout offset): colocated runs need the larger of the train and rollout GPU counts, others the
+    sum (rollout GPUs after the train ones); external engines need only the train GPUs."""
     actor_gpus = args.actor_num_nodes * args.actor_num_gpus_per_node
     if args.debug_train_only:
         return actor_gpus, 0
@@ -48,10 +54,14 @@ def init_ray(args: Namespace) -> None:
     if ray.is_initialized():
         return
     python_path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
-    runtime_env = {"env_vars": {**RAY_ENV, **ACTOR_ENV, "PYTHONPATH": python_path}}
+    env = {**RAY_ENV, **ACTOR_ENV, "PYTHONPATH": python_path}
     if args.ray_address:
-        ray.init(address=args.ray_address, runtime_env=runtime_env, log_to_driver=True)
+        os.environ.pop(NODE_ADDRESS_ENV, None)  # every node binds its own address
+        ray.init(address=args.ray_address, runtime_env={"env_vars": env}, log_to_driver=True)
         return
+    # A cluster of this machine alone: slime's servers bind loopback (slime.utils.http_utils.node_address).
+    os.environ[NODE_ADDRESS_ENV] = env[NODE_ADDRESS_ENV] = "127.0.0.1"
+    runtime_env = {"env_vars": env}
     num_bundles, _ = placement_group_size(args)
     import torch
 
@@ -98,12 +108,34 @@ class Placement:
         )
 
 
-def create_placement_group(args: Namespace) -> Placement:
+def check_cluster_resources(num_bundles: int) -> None:
+    """Fail at once, in one line, when the cluster cannot hold the placement group (instead of waiting on it)."""
+    total = ray.cluster_resources()
+    gpus = int(total.get("GPU", 0))
+    if gpus < num_bundles:
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        per_node = ", ".join(f"{n['NodeManagerAddress']}: {int(n['Resources'].get('GPU', 0))}" for n in nodes)
+        raise SlimeArgError(
+            f"this run needs {num_bundles} GPUs (placement group of train + rollout GPUs) but the Ray cluster has "
+            f"{gpus} ({per_node}); lower --actor-num-gpus-per-node / --rollout-num-gpus or add nodes"
+        )
+    if total.get("CPU", 0) < num_bundles * BUNDLE_CPU:
+        raise SlimeArgError(f"this run needs {num_bundles * BUNDLE_CPU:.1f} CPUs for its bundles; the cluster has less")
+
+
+def create_placement_group(args: Namespace, timeout: float = 120.0) -> Placement:
     num_bundles, rollout_offset = placement_group_size(args)
     if num_bundles == 0:
-        raise ValueError("the run needs no GPUs at all; nothing to place")
+        raise SlimeArgError("the run needs no GPUs at all; nothing to place")
+    check_cluster_resources(num_bundles)
     pg = placement_group([{"GPU": 1, "CPU": BUNDLE_CPU} for _ in range(num_bundles)], strategy="PACK")
-    ray.get(pg.ready(), timeout=120)
+    try:
+        ray.get(pg.ready(), timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise SlimeArgError(
+            f"the placement group of {num_bundles} GPUs was not granted within {timeout:.0f}s: the cluster has the "
+            "GPUs, but other jobs hold them"
+        ) from None
     infos = []
     for i in range(num_bundles):
         actor = _InfoActor.options(

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import random
+import time
 from argparse import Namespace
 from typing import Any
 
@@ -18,9 +19,11 @@ import ray
 import torch
 
 from slime.ray.placement import Placement
-from slime.ray.train_data import build_rank_data, flatten_samples
+from slime.ray.train_data import build_rank_data, rollout_samples
 from slime.rollout.base_types import call_rollout_fn
+from slime.rollout.data_source import call_with_checkpoint_dir
 from slime.scheduling.carry import CarryBuffer
+from slime.utils.atomic import atomic_open
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
@@ -41,8 +44,7 @@ class RolloutManager:
         self.placement = placement
         self.carry = CarryBuffer()
         self.parallel_config: dict[str, int] = {"dp_size": 1, "cp_size": 1}
-        self.engines: list[Any] = []
-        self.router = None
+        self.servers = None
         self.data_source = None
         from slime.utils.tracking import Tracker
 
@@ -65,57 +67,34 @@ class RolloutManager:
         except BaseException:
             self.servers.dispose()
             raise
-        # the engines weight sync reaches: the first model with update_weights (spec §1.5); all engines of all
-        # models are self.servers.engine_handles()
-        self.engines = [e for e in self.servers.updatable_engines() if e is not None]
 
     def server_info(self) -> dict[str, Any]:
         """Pids and URLs of what this manager started (tests check identity and clean-up with psutil)."""
-        servers = getattr(self, "servers", None)
         info: dict[str, Any] = {"router_pid": None, "router_url": None, "engine_pids": [], "engine_urls": []}
-        if servers is not None:
-            info.update(servers.info())
+        if self.servers is not None:
+            info.update(self.servers.info())
         info["manager_pid"] = os.getpid()
         info["dist_initialized"] = torch.distributed.is_available() and torch.distributed.is_initialized()
         return info
 
     # ---- weight sync ----------------------------------------------------------------------------------------
-    def begin_weight_sync(self) -> list[str]:
-        """Restart dead engines, stop health checks (paused engines look dead), return the receiving URLs:
-        the engines of the first model with `update_weights: true` (spec §1.5)."""
-        servers = getattr(self, "servers", None)
-        if servers is None:
+    def lock_weight_sync_engines(self) -> list[dict[str, Any]]:
+        """The engines a weight sync must reach, held for it: dead engines are restarted first, and the health
+        monitor pauses until `unlock_weight_sync_engines` (paused engines look dead). Each is `{"url",
+        "num_gpus", "base_gpu"}`: the model with `update_weights` first in --sglang-config receives weights."""
+        if self.servers is None:
             return []
-        servers.recover()
-        servers.pause_health_monitor()
-        model = servers.config.weight_sync_model
-        if model is None:
-            return []
-        return [e["url"] for e in servers.info()["engines"] if e["model"] == model.name and e["alive"]]
+        self.servers.recover()
+        self.servers.pause_health_monitor()
+        return self.servers.weight_sync_engines()
 
-    def end_weight_sync(self) -> None:
-        servers = getattr(self, "servers", None)
-        if servers is not None:
-            servers.resume_health_monitor()
-
-    def weight_sync_engines(self) -> list[dict[str, Any]]:
-        """`{"url", "num_gpus"}` of every live engine that receives weights: the distributed sync gives each
-        engine `num_gpus` ranks of its process group (heterogeneous engine sizes, spec §1.5)."""
-        servers = getattr(self, "servers", None)
-        model = servers.config.weight_sync_model if servers is not None else None
-        if model is None:
-            return []
-        gpus = {e.rank: e.num_gpus for e in servers.plan.engines}
-        return [
-            {"url": e["url"], "num_gpus": gpus[e["rank"]]}
-            for e in servers.info()["engines"]
-            if e["model"] == model.name and e["alive"]
-        ]
+    def unlock_weight_sync_engines(self) -> None:
+        if self.servers is not None:
+            self.servers.resume_health_monitor()
 
     # ---- colocated offload (spec §1.6) ----------------------------------------------------------------------
     def _offloaded_engines(self) -> list[Any]:
-        servers = getattr(self, "servers", None)
-        return servers.engine_handles() if servers is not None else []
+        return self.servers.engine_handles() if self.servers is not None else []
 
     def offload(self) -> None:
         """Free the engines' GPU memory for training: flush, then release every tag (weights, KV, graphs)."""
@@ -153,27 +132,31 @@ class RolloutManager:
 
     def generate(self, rollout_id: int) -> list[Any] | None:
         """Run one rollout; returns one object ref per DP rank (None under --debug-rollout-only)."""
-        metrics: dict[str, float] = {}
+        t0 = time.perf_counter()
+        extra: dict[str, float] = {}
         if self.args.load_debug_rollout_data:
             samples = self._load_dump(rollout_id)
         else:
             out = call_rollout_fn(self.rollout_fn, self.args, rollout_id, self.data_source, evaluation=False)
-            samples = flatten_samples(out.samples)
-            metrics.update(out.metrics or {})
+            samples = rollout_samples(out.samples)
+            extra.update(out.metrics or {})
             if self.args.save_debug_rollout_data:
-                path = dump_path(self.args.save_debug_rollout_data, rollout_id)
-                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-                tmp = f"{path}.tmp"
-                torch.save({"rollout_id": rollout_id, "samples": [s.to_dict() for s in samples]}, tmp)
-                os.replace(tmp, path)
-        metrics.update(self._rollout_metrics(samples))
-        if self.args.debug_rollout_only:
+                with atomic_open(dump_path(self.args.save_debug_rollout_data, rollout_id), "wb") as f:
+                    torch.save({"rollout_id": rollout_id, "samples": [s.to_dict() for s in samples]}, f)
+        rollout_time = time.perf_counter() - t0
+        metrics = {**extra, **self._rollout_metrics(samples)}
+        rank_refs = None
+        if not self.args.debug_rollout_only:
+            rank_data, sched_metrics = build_rank_data(
+                self.args, rollout_id, samples, self.carry, self.parallel_config
+            )
+            metrics.update(sched_metrics)
+            rank_refs = [ray.put(d) for d in rank_data]
+        hook = self.args.custom_rollout_log_function_path
+        # slime's hook: True means it logged the rollout itself and the default logging is skipped
+        if not (hook and load_function(hook)(rollout_id, self.args, samples, extra, rollout_time)):
             self.tracker.log(metrics, step=rollout_id, kind="rollout")
-            return None
-        rank_data, sched_metrics = build_rank_data(self.args, rollout_id, samples, self.carry, self.parallel_config)
-        metrics.update(sched_metrics)
-        self.tracker.log(metrics, step=rollout_id, kind="rollout")
-        return [ray.put(d) for d in rank_data]
+        return rank_refs
 
     def _rollout_metrics(self, samples: list[Sample]) -> dict[str, float]:
         if not samples:
@@ -189,11 +172,14 @@ class RolloutManager:
         if self.args.eval_prompt_data is None or self.args.debug_train_only:
             return {}
         out = call_rollout_fn(self.eval_fn, self.args, rollout_id, self.data_source, evaluation=True)
-        metrics = dict(out.metrics or {})
+        extra = dict(out.metrics or {})
+        metrics = dict(extra)
         for name, d in out.data.items():
             rewards = d["rewards"]
             metrics[f"eval/{name}"] = sum(rewards) / max(len(rewards), 1)
-        self.tracker.log(metrics, step=rollout_id, kind="eval")
+        hook = self.args.custom_eval_rollout_log_function_path
+        if not (hook and load_function(hook)(rollout_id, self.args, out.data, extra)):
+            self.tracker.log(metrics, step=rollout_id, kind="eval")
         return metrics
 
     # ---- checkpoint: this manager's part lives in <checkpoint dir>/rollout/ ---------------------------------
@@ -202,19 +188,14 @@ class RolloutManager:
         rollout_dir = os.path.join(path, "rollout")
         os.makedirs(rollout_dir, exist_ok=True)
         if self.data_source is not None:
-            self.data_source.save(rollout_id, rollout_dir)
-        carry_path = os.path.join(rollout_dir, f"carry_{rollout_id}.json")
-        tmp = f"{carry_path}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
+            call_with_checkpoint_dir(self.data_source.save, rollout_id, rollout_dir)
+        with atomic_open(os.path.join(rollout_dir, f"carry_{rollout_id}.json")) as f:
             json.dump(self.carry.state_dict(), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, carry_path)
 
     def load(self, rollout_id: int, path: str) -> None:
         rollout_dir = os.path.join(path, "rollout")
         if self.data_source is not None:
-            self.data_source.load(rollout_id, rollout_dir)
+            call_with_checkpoint_dir(self.data_source.load, rollout_id, rollout_dir)
         carry_path = os.path.join(rollout_dir, f"carry_{rollout_id}.json")
         if os.path.exists(carry_path):
             with open(carry_path, encoding="utf-8") as f:
@@ -222,9 +203,7 @@ class RolloutManager:
             logger.info("resumed %d carried-over groups from %s", len(self.carry), carry_path)
 
     def dispose(self) -> None:
-        servers = getattr(self, "servers", None)
-        if servers is not None:
-            servers.dispose()
+        if self.servers is not None:
+            self.servers.dispose()
             self.servers = None
-        self.engines = []
         self.tracker.close()

@@ -1,9 +1,11 @@
 """Launch the deployment plan under Ray: one router per model, every engine group, worker registration, and
 engine fault tolerance (health monitor, removal, restart before the next weight sync).
 
-Lives in the RolloutManager's process. Engines are Ray actors (0.2 GPU on their first bundle) that own one
-server process each; routers are child processes of the manager. Rollout code only sees router URLs:
-`args.sglang_model_routers = {model: url}` and model 0's router in `args.sglang_router_ip/port` (spec §2.2).
+Lives in the RolloutManager's process. Engines are Ray actors (0.2 GPU on their first bundle; one actor per
+node for an engine spanning nodes) that own their server process; routers are child processes of the manager
+and bind the manager's node address. With `--rollout-external` nothing is launched: the router fronts the
+given servers. Rollout code only sees router URLs: `args.sglang_model_routers = {model: url}` and model 0's
+router in `args.sglang_router_ip/port`.
 """
 
 from __future__ import annotations
@@ -11,23 +13,19 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import signal
-import subprocess
 import threading
-import time
 from argparse import Namespace
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import ray
 
+from slime.backends.sglang.client import SGLangClient
 from slime.backends.sglang.deployment import DeploymentPlan, EnginePlan, build_plan
-from slime.backends.sglang.engine import SGLangEngine, _die_with_parent, _tail, resolve_backend
+from slime.backends.sglang.engine import SGLangEngine
 from slime.backends.sglang.router import RouterProcess
-from slime.backends.sglang.server_args import build_server_argv
 from slime.backends.sglang.sglang_config import SGLangConfig, resolve_sglang_config
-from slime.utils.http_utils import find_free_port
+from slime.utils.http_utils import find_free_port, node_address
 
 logger = logging.getLogger(__name__)
 
@@ -36,64 +34,11 @@ ENGINE_CPU = 0.01
 _REMOTE_ENGINE: Any = None
 
 
-class TopologyEngine(SGLangEngine):
-    """SGLangEngine that also knows its PD role: a prefill gets a bootstrap port, and a fake engine is told its
-    disaggregation mode (the fake's argv builder in server_args.py only covers regular engines)."""
-
-    def __init__(self, args: Namespace, rank: int, **kwargs: Any) -> None:
-        super().__init__(args, rank, **kwargs)
-        self.bootstrap_port: int | None = None
-
-    def start(self, timeout: float = 600.0) -> str:
-        self.port = find_free_port()
-        self.bootstrap_port = find_free_port() if self.worker_type == "prefill" else None
-        backend = resolve_backend(self.args)
-        argv = build_server_argv(
-            self.args, backend=backend, host=self.host, port=self.port, base_gpu_id=self.base_gpu_id,
-            num_gpus=self.num_gpus, rank=self.rank, nccl_port=find_free_port(), worker_type=self.worker_type,
-            bootstrap_port=self.bootstrap_port, overrides=self.overrides, model_path=self.model_path,
-        )  # fmt: skip
-        if backend == "sim" and self.worker_type in ("prefill", "decode"):
-            argv += ["--disaggregation-mode", self.worker_type]
-            if self.bootstrap_port is not None:
-                argv += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
-        log_path = os.path.join(self.log_dir, f"engine_{self.rank}.log") if self.log_dir else None
-        out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - the child's for life
-        logger.info("engine %d (%s): %s", self.rank, self.worker_type, " ".join(argv))
-        self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"engine {self.rank} exited with {self.proc.returncode} at start-up{_tail(log_path)}"
-                )
-            try:
-                if httpx.get(f"{self.url}/health_generate", timeout=30).status_code == 200:
-                    return self.url
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.shutdown()
-        raise TimeoutError(f"engine {self.rank} not healthy within {timeout:.0f}s{_tail(log_path)}")
-
-    def get_bootstrap_port(self) -> int | None:
-        return self.bootstrap_port
-
-    def kill_server(self) -> None:
-        """SIGKILL the server's process group: in-flight requests fail at once (and are retried elsewhere)
-        instead of coming back as aborted partial answers, which a graceful stop would produce."""
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=10)
-
-
 @dataclass
 class EngineSlot:
     plan: EnginePlan
-    handle: Any = None
+    handle: Any = None  # node rank 0's actor: the engine
+    followers: list[Any] = field(default_factory=list)  # node ranks 1.. of an engine spanning nodes
     url: str | None = None
     pid: int | None = None
     bootstrap_port: int | None = None
@@ -101,6 +46,20 @@ class EngineSlot:
     restarts: int = 0
     # held while an engine is torn down or restarted, so recover() never races mark_dead() on one slot
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def actors(self) -> list[Any]:
+        return [h for h in (self.handle, *self.followers) if h is not None]
+
+
+@dataclass
+class ExternalEngine:
+    """A server slime did not launch (`--rollout-external`): controlled over HTTP, never restarted."""
+
+    url: str
+    model: str
+    rank: int
+    alive: bool = True
 
 
 def _engine_args(args: Namespace, sim: dict[str, Any]) -> Namespace:
@@ -120,10 +79,15 @@ class RolloutServers:
         self.placement = placement
         self.log_dir = log_dir
         self.config = config or resolve_sglang_config(args)
-        self.plan: DeploymentPlan = build_plan(args, self.config)
+        self.plan: DeploymentPlan = build_plan(args, self.config, host=node_address())
         self.routers: dict[str, RouterProcess | None] = {}
         self.router_urls: dict[str, str] = {}
         self.slots = [EngineSlot(e) for e in self.plan.engines]
+        model = self.config.models[0].name
+        addrs = args.rollout_external_engine_addrs if args.rollout_external else []
+        self.external = [
+            ExternalEngine(a if a.startswith("http") else f"http://{a}", model, i) for i, a in enumerate(addrs)
+        ]
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._monitor_paused = threading.Event()
@@ -146,30 +110,60 @@ class RolloutServers:
         for slot in self.slots:
             self._create(slot)
         self._finish_start(self.slots)
+        for ext in self.external:
+            if not SGLangClient(ext.url).healthy("/health", timeout=30.0):
+                raise RuntimeError(f"--rollout-external-engine-addrs: {ext.url} does not answer /health")
+            router = self.routers[ext.model]
+            if router is not None:
+                router.add_worker(ext.url)
         first = self.router_urls[self.plan.routers[0].model]
         host, port = first.removeprefix("http://").rsplit(":", 1)
         args.sglang_router_ip, args.sglang_router_port = host, int(port)
         args.sglang_model_routers = dict(self.router_urls)
         logger.info("rollout servers up: %s", {m: len(self.plan.engines_of(m)) for m in self.router_urls})
-        if getattr(args, "use_fault_tolerance", False):
+        if args.use_fault_tolerance:
             self._monitor = threading.Thread(target=self._monitor_loop, name="engine-health", daemon=True)
             self._monitor.start()
 
     def _create(self, slot: EngineSlot) -> None:
+        """One actor per node the engine spans, each on the bundle of its node's first GPU."""
         global _REMOTE_ENGINE
         e = slot.plan
-        cls = _REMOTE_ENGINE = _REMOTE_ENGINE or ray.remote(TopologyEngine)
-        gpu_ids = self.placement.gpu_ids
-        slot.handle = cls.options(
-            num_gpus=ENGINE_GPU, num_cpus=ENGINE_CPU, scheduling_strategy=self.placement.strategy(e.base_gpu_id)
-        ).remote(
-            _engine_args(self.args, self.config.model(e.model).sim), e.rank, base_gpu_id=gpu_ids[e.base_gpu_id],
-            num_gpus=e.num_gpus, worker_type=e.worker_type, overrides=e.overrides or None, model_path=e.model_path,
-            log_dir=self.log_dir,
-        )  # fmt: skip
+        cls = _REMOTE_ENGINE = _REMOTE_ENGINE or ray.remote(SGLangEngine)
+        per_node = -(-e.num_gpus // e.nnodes)
+        actors = []
+        for k in range(e.nnodes):
+            first = e.base_gpu_id + k * per_node
+            actors.append(
+                cls.options(
+                    num_gpus=ENGINE_GPU, num_cpus=ENGINE_CPU, scheduling_strategy=self.placement.strategy(first)
+                ).remote(
+                    _engine_args(self.args, self.config.model(e.model).sim),
+                    e.rank,
+                    base_gpu_id=self.placement.gpu_ids[first],
+                    num_gpus=e.num_gpus,
+                    worker_type=e.worker_type,
+                    overrides=e.overrides or None,
+                    model_path=e.model_path,
+                    log_dir=self.log_dir,
+                    nnodes=e.nnodes,
+                    node_rank=k,
+                )  # fmt: skip
+            )
+        slot.handle, slot.followers = actors[0], actors[1:]
 
     def _finish_start(self, slots: list[EngineSlot]) -> None:
-        urls = ray.get([s.handle.start.remote() for s in slots])
+        """Start every engine (all nodes of one engine at once: node 0 is healthy only when the others joined),
+        then register each with its model's router."""
+        refs = []
+        for s in slots:
+            addr = ray.get(s.handle.dist_init_address.remote()) if s.followers else None
+            refs.append([a.start.remote(addr) for a in s.actors])
+        try:
+            urls = [ray.get(r)[0] for r in refs]
+        except Exception as e:
+            tails = [ray.get(a.log_tail.remote()) for s in slots for a in s.followers if not ray.get(a.alive.remote())]
+            raise RuntimeError(f"engine start-up failed: {e}" + "".join(tails)) from e
         meta = ray.get([s.handle.get_bootstrap_port.remote() for s in slots])
         pids = ray.get([s.handle.pid.remote() for s in slots])
         for s, url, boot, pid in zip(slots, urls, meta, pids, strict=True):
@@ -179,14 +173,21 @@ class RolloutServers:
                 router.add_worker(url, worker_type=s.plan.worker_type, bootstrap_port=boot)
 
     # ---- queries ------------------------------------------------------------------------------------------
-    def updatable_engines(self) -> list[Any]:
-        """Handles of the engines that receive weight sync: the FIRST model with update_weights (spec §1.5).
-        Dead engines are None (same positions as the plan), as slime does until `recover()` refills them."""
+    def weight_sync_engines(self) -> list[dict[str, Any]]:
+        """`{"url", "num_gpus", "base_gpu"}` of every live engine of the model that receives weights (the first
+        with update_weights): `num_gpus` gives it that many ranks of a broadcast group, `base_gpu` (logical)
+        tells colocated train ranks which of them share its GPUs."""
         model = self.config.weight_sync_model
         if model is None:
             return []
         with self._lock:
-            return [s.handle if s.alive else None for s in self.slots if s.plan.model == model.name]
+            out = [
+                {"url": s.url, "num_gpus": s.plan.num_gpus, "base_gpu": s.plan.base_gpu_id}
+                for s in self.slots
+                if s.alive and s.plan.model == model.name
+            ]
+            out += [{"url": x.url, "num_gpus": 1, "base_gpu": None} for x in self.external if x.alive]
+        return out
 
     def engine_handles(self, model: str | None = None) -> list[Any]:
         with self._lock:
@@ -196,11 +197,21 @@ class RolloutServers:
         with self._lock:
             first = self.plan.routers[0].model
             r0 = self.routers.get(first)
+            engines = [
+                {"model": s.plan.model, "rank": s.plan.rank, "worker_type": s.plan.worker_type, "url": s.url,
+                 "pid": s.pid, "alive": s.alive, "restarts": s.restarts, "nnodes": s.plan.nnodes}
+                for s in self.slots
+            ]  # fmt: skip
+            engines += [
+                {"model": x.model, "rank": x.rank, "worker_type": "external", "url": x.url, "pid": None,
+                 "alive": x.alive, "restarts": 0, "nnodes": 1}
+                for x in self.external
+            ]  # fmt: skip
             return {
                 "router_pid": r0.pid if r0 is not None else None,
                 "router_url": self.router_urls.get(first),
                 "engine_pids": [s.pid for s in self.slots],
-                "engine_urls": [s.url for s in self.slots],
+                "engine_urls": [e["url"] for e in engines],
                 "routers": {
                     m: {
                         "pid": r.pid if r is not None else None,
@@ -209,18 +220,7 @@ class RolloutServers:
                     }
                     for m, r in self.routers.items()
                 },
-                "engines": [
-                    {
-                        "model": s.plan.model,
-                        "rank": s.plan.rank,
-                        "worker_type": s.plan.worker_type,
-                        "url": s.url,
-                        "pid": s.pid,
-                        "alive": s.alive,
-                        "restarts": s.restarts,
-                    }
-                    for s in self.slots
-                ],  # fmt: skip
+                "engines": engines,
                 "removed_urls": list(self.removed_urls),
             }
 
@@ -236,7 +236,7 @@ class RolloutServers:
         args = self.args
         interval = float(args.rollout_health_check_interval)
         timeout = float(args.rollout_health_check_timeout)
-        if self._stop.wait(float(getattr(args, "rollout_health_check_first_wait", 0.0) or 0.0)):
+        if self._stop.wait(args.rollout_health_check_first_wait):
             return
         while not self._stop.is_set():
             if not self._monitor_paused.is_set():
@@ -254,7 +254,21 @@ class RolloutServers:
                     stale = slot.handle is not checked  # restarted meanwhile: this verdict is about the old one
                     if not ok and not stale and not self._stop.is_set() and not self._monitor_paused.is_set():
                         self.mark_dead(slot, "health check failed" if ref in ready else "health check timed out")
+                for ext in [x for x in self.external if x.alive]:
+                    if not SGLangClient(ext.url).healthy(timeout=timeout) and not self._monitor_paused.is_set():
+                        self._remove_from_router(ext.model, ext.url, f"external engine {ext.url}: health check failed")
+                        ext.alive = False
             self._stop.wait(interval)
+
+    def _remove_from_router(self, model: str, url: str, reason: str) -> None:
+        self.removed_urls.append(url)
+        logger.warning("%s", reason)
+        router = self.routers.get(model)
+        if router is not None:
+            try:
+                router.remove_worker(url)
+            except Exception:  # noqa: BLE001 - the router may already have dropped it
+                logger.warning("removing %s from its router failed", url, exc_info=True)
 
     def mark_dead(self, slot: EngineSlot, reason: str) -> None:
         """Take an engine out: off its router first (no new requests), then kill its server so in-flight
@@ -264,28 +278,21 @@ class RolloutServers:
                 return
             slot.alive = False
         with slot.lock:
-            self._tear_down(slot, reason)
-
-    def _tear_down(self, slot: EngineSlot, reason: str) -> None:
-        handle = slot.handle
-        self.removed_urls.append(slot.url or "")
-        logger.warning("engine %d (%s, %s) is dead: %s", slot.plan.rank, slot.plan.model, slot.url, reason)
-        router = self.routers.get(slot.plan.model)
-        if router is not None and slot.url:
-            try:
-                router.remove_worker(slot.url)
-            except Exception:  # noqa: BLE001 - the router may already have dropped it
-                logger.warning("removing %s from its router failed", slot.url, exc_info=True)
-        try:
-            ray.get(handle.kill_server.remote(), timeout=15)
-        except Exception:  # noqa: BLE001 - the actor itself may be gone
-            pass
-        ray.kill(handle, no_restart=True)
-        slot.handle = None
+            self._remove_from_router(
+                slot.plan.model,
+                slot.url or "",
+                f"engine {slot.plan.rank} ({slot.plan.model}, {slot.url}) is dead: {reason}",
+            )
+            for actor in slot.actors:
+                try:
+                    ray.get(actor.kill_server.remote(), timeout=15)
+                except Exception:  # noqa: BLE001 - the actor itself may be gone
+                    pass
+                ray.kill(actor, no_restart=True)
+            slot.handle, slot.followers = None, []
 
     def recover(self) -> int:
-        """Restart and re-register dead engines (the lead calls this before each weight sync); returns how many
-        came back, so weight-update groups can be rebuilt when it is > 0."""
+        """Restart and re-register dead engines (called before each weight sync); returns how many came back."""
         with self._lock:
             dead = [s for s in self.slots if not s.alive]
         if not dead:
@@ -309,14 +316,13 @@ class RolloutServers:
         if self._monitor is not None:
             self._monitor.join(timeout=float(self.args.rollout_health_check_timeout) + 5)
         for s in self.slots:
-            if s.handle is None:
-                continue
-            try:
-                ray.get(s.handle.shutdown.remote(), timeout=30)
-            except Exception:  # noqa: BLE001 - best effort: the engine may already be gone
-                logger.warning("engine %d shutdown failed", s.plan.rank, exc_info=True)
-            ray.kill(s.handle, no_restart=True)
-            s.handle, s.alive = None, False
+            for actor in s.actors:
+                try:
+                    ray.get(actor.shutdown.remote(), timeout=30)
+                except Exception:  # noqa: BLE001 - best effort: the engine may already be gone
+                    logger.warning("engine %d shutdown failed", s.plan.rank, exc_info=True)
+                ray.kill(actor, no_restart=True)
+            s.handle, s.followers, s.alive = None, [], False
         for router in self.routers.values():
             if router is not None:
                 router.stop()

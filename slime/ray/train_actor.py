@@ -5,9 +5,10 @@ received per rollout, so a replayed rollout dump can be proven to reach the trai
 `--debug-rollout-only` the actors exist (they hold their placement) but return before any process group is
 created (spec §3).
 
-Weight sync has two transports (`--update-weight-mode`, spec §1.5): `tensor` for colocated engines (IPC
-handles over HTTP, `weight_sync.py`) and `distributed` for engines on their own GPUs (a process group per
-pipeline stage, `weight_sync_distributed.py`). With `--offload-train` the trainer sleeps between its own
+Rank 0 binds the rendezvous on its own node's address; every rank joins it there, so the train ranks may span
+nodes. Weight sync has two transports (`--update-weight-mode`): `tensor` for colocated engines (IPC handles
+over HTTP, `weight_sync.py`) and `distributed` for engines on their own GPUs (a process group per pipeline
+stage, `weight_sync_distributed.py`). With `--offload-train` the trainer sleeps between its own
 phases (`offload.py`): it wakes to train or save and sleeps again, and weight sync runs while it sleeps.
 """
 
@@ -23,11 +24,14 @@ from typing import Any
 import ray
 
 from slime.ray.placement import Placement
-from slime.utils.http_utils import find_free_port
+from slime.utils.http_utils import node_address
+from slime.utils.misc import load_function
 
 logger = logging.getLogger(__name__)
 
 TRAIN_ACTOR_GPU = 0.4
+# --train-backend -> the trainer class (one per training rank)
+TRAIN_BACKENDS = {"megatron": "slime.backends.megatron.trainer.MegatronTrainer"}
 
 
 def hash_train_data(data: dict[str, Any]) -> str:
@@ -40,12 +44,13 @@ def hash_train_data(data: dict[str, Any]) -> str:
 
 
 class TrainRayActor:
-    def __init__(self, args: Namespace, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+    def __init__(self, args: Namespace, rank: int, world_size: int) -> None:
         self.args = args
         self.rank = rank
         self.world_size = world_size
-        self.master_addr = master_addr
-        self.master_port = master_port
+        self.node_ip = node_address()
+        self._listen: Any = None  # rank 0: the rendezvous socket, bound until the process group takes it
+        self.rendezvous: tuple[str, int] | None = None
         self.hashes: dict[int, str] = {}
         self.num_samples: dict[int, int] = {}
         self.trainer = None
@@ -53,18 +58,29 @@ class TrainRayActor:
         self.dist_sync = None
         self.offloader = None
 
-    def init(self, load_path: str | None = None) -> int:
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Rank 0: (this node's address, a port bound on it now) for every rank to rendezvous at."""
+        from slime.utils.distributed import listen_socket
+
+        self._listen = listen_socket(self.node_ip)
+        self.rendezvous = (self.node_ip, self._listen.getsockname()[1])
+        return self.rendezvous
+
+    def init(self, master_addr: str, master_port: int, load_path: str | None = None) -> int:
         """Build the trainer, resume from `load_path` if given; returns the first rollout id to run
         (the checkpoint's rollout + 1, unless --start-rollout-id says otherwise)."""
         start = self.args.start_rollout_id or 0
         if self.args.debug_rollout_only:
             return start  # before any torch.distributed call: inference alone needs no process group
         from slime.backends.megatron.offload import TrainOffloader
-        from slime.backends.megatron.trainer import MegatronTrainer
 
+        trainer_cls = load_function(TRAIN_BACKENDS[self.args.train_backend])
         self.offloader = TrainOffloader(bool(self.args.offload_train))
         with self.offloader.memory_region():  # with torch_memory_saver: everything the trainer allocates pauses
-            self.trainer = MegatronTrainer(self.args, self.rank, self.world_size, self.master_addr, self.master_port)
+            self.trainer = trainer_cls(
+                self.args, self.rank, self.world_size, master_addr, master_port, node_ip=self.node_ip,
+                listen=self._listen,
+            )  # fmt: skip
             if self.offloader.enabled:
                 from slime.backends.megatron.checkpoint import allocate_optimizer_state
 
@@ -87,7 +103,14 @@ class TrainRayActor:
             import torch.distributed as dist
 
             dist_initialized = dist.is_available() and dist.is_initialized()
-        return {"rank": self.rank, "pid": os.getpid(), "dist_initialized": dist_initialized}
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "node_ip": self.node_ip,
+            "rendezvous": self.rendezvous,
+            "dist_initialized": dist_initialized,
+            "env": {k: os.environ.get(k) for k in self.args.train_env_vars},  # --train-env-vars as the rank sees them
+        }
 
     def train(self, rollout_id: int, rank_data_refs: list[Any]) -> tuple[str | None, dict[str, float]]:
         if self.args.debug_rollout_only:
@@ -105,10 +128,9 @@ class TrainRayActor:
         return digest, metrics
 
     def update_weights(self, engines: list[dict[str, Any]], weight_version: int) -> dict[str, float]:
-        """Every rank exports (a TP collective); the sender rank of each stage pushes to the engines.
+        """Every rank exports (a TP collective) and takes part; see the two transports' modules.
 
-        `engines`: `{"url", "num_gpus"}` of each receiving engine. Runs while the trainer sleeps (offload).
-        """
+        `engines`: `{"url", "num_gpus", "base_gpu"}` of each receiving engine. Runs while the trainer sleeps."""
         if self.args.debug_rollout_only or not engines:
             return {}
         from slime.backends.megatron.initialize import run_custom_megatron_init
@@ -118,61 +140,53 @@ class TrainRayActor:
         if self.args.update_weight_mode == "distributed":
             out = self._update_weights_distributed(engines, weight_version)
         else:
-            out = self._update_weights_tensor([e["url"] for e in engines], weight_version)
+            out = self._update_weights_tensor(engines, weight_version)
         if self.args.check_weight_update_equal:
             out.update(self._check_weights([e["url"] for e in engines]))
         return out
 
-    def _update_weights_tensor(self, engine_urls: list[str], weight_version: int) -> dict[str, float]:
-        from slime.backends.megatron.weight_sync import TensorWeightSync
+    def _update_weights_tensor(self, engines: list[dict[str, Any]], weight_version: int) -> dict[str, float]:
+        from slime.backends.megatron.weight_sync import ColocatedEngine, TensorWeightSync
 
-        bucket_bytes = self.args.update_weight_buffer_size
-        buckets = self.trainer.export_hf(bucket_bytes)
-        if not self.trainer.is_weight_sender():
-            for _ in buckets:  # take part in the TP gathers only
-                pass
-            return {}
-        if self.weight_sync is None:
-            self.weight_sync = TensorWeightSync(bucket_bytes=bucket_bytes)
-        named = (item for bucket in buckets for item in bucket)
-        return self.weight_sync.sync(engine_urls, named, weight_version)
+        targets = [ColocatedEngine(e["url"], e["base_gpu"], e["num_gpus"]) for e in engines]
+        if self.weight_sync is None or self.weight_sync.engines != targets:  # engines restarted: new groups
+            if self.weight_sync is not None:
+                self.weight_sync.close()
+            self.weight_sync = TensorWeightSync(targets, self.args.update_weight_buffer_size)
+        return self.weight_sync.sync(self.trainer.export_hf(), weight_version)
 
     def _update_weights_distributed(self, engines: list[dict[str, Any]], weight_version: int) -> dict[str, float]:
         """Rank 0 pauses the engines and opens their weight-update session once; each stage's sender then
         broadcasts its layers over its own group; rank 0 closes the session when every stage is done."""
         import torch.distributed as dist
 
-        from slime.backends.megatron.weight_sync_distributed import (
-            DistributedWeightSync,
-            EngineSession,
-            EngineTarget,
-        )
+        from slime.backends.megatron.weight_sync_distributed import DistributedWeightSync, EngineTarget
+        from slime.backends.sglang.client import SGLangClient, begin_weight_sync, end_weight_sync
 
-        targets = [EngineTarget(e["url"], int(e.get("num_gpus") or 1)) for e in engines]
-        session = EngineSession([t.url for t in targets]) if dist.get_rank() == 0 else None
-        if session is not None:
-            session.begin()
+        targets = [EngineTarget(e["url"], int(e["num_gpus"])) for e in engines]
+        clients = [SGLangClient(t.url) for t in targets] if dist.get_rank() == 0 else []
+        begin_weight_sync(clients)
         dist.barrier()
-        bucket_bytes = self.args.update_weight_buffer_size
-        buckets = self.trainer.export_hf(bucket_bytes)
+        named = self.trainer.export_hf()
         out: dict[str, float] = {}
         if self.trainer.is_weight_sender():
             if self.dist_sync is None:
                 self.dist_sync = DistributedWeightSync(
                     pp_rank=self.trainer.ps.rank("pp"),
-                    master_address=_node_ip(),
+                    master_address=self.node_ip,
                     backend=self.args.distributed_backend,
-                    bucket_bytes=bucket_bytes,
-                    timeout_s=60.0 * (self.args.distributed_timeout_minutes or 10),
+                    bucket_bytes=self.args.update_weight_buffer_size,
+                    timeout_s=60.0 * self.args.distributed_timeout_minutes,
                 )
             self.dist_sync.connect(targets)
-            out = self.dist_sync.send((item for bucket in buckets for item in bucket), weight_version)
+            out = self.dist_sync.send(named, weight_version)
         else:
-            for _ in buckets:  # take part in the TP gathers only
+            for _ in named:  # take part in the TP gathers only
                 pass
         dist.barrier()
-        if session is not None:
-            session.end()
+        end_weight_sync(clients)
+        for c in clients:
+            c.close()
         return out
 
     def _check_weights(self, engine_urls: list[str]) -> dict[str, float]:
@@ -181,7 +195,7 @@ class TrainRayActor:
 
         from slime.backends.megatron.weight_hash import check_engines, trainer_weight_checksums
 
-        sums = trainer_weight_checksums(self.trainer, self.args.update_weight_buffer_size)
+        sums = trainer_weight_checksums(self.trainer)
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, sums)
         if dist.get_rank() != 0:
@@ -229,14 +243,6 @@ class TrainRayActor:
         }
 
 
-def _node_ip() -> str:
-    """This node's address for the weight-update group's rendezvous (engines may sit on other nodes)."""
-    try:
-        return ray.util.get_node_ip_address()
-    except Exception:  # noqa: BLE001 - outside Ray (tests drive the actor class directly)
-        return "127.0.0.1"
-
-
 class RayTrainGroup:
     """`actor_num_nodes * actor_num_gpus_per_node` train actors on the first bundles of the placement group."""
 
@@ -245,17 +251,19 @@ class RayTrainGroup:
         n = args.actor_num_nodes * args.actor_num_gpus_per_node
         if args.debug_rollout_only:
             n = min(n, len(placement.bundle_indices))
-        port = find_free_port()
         cls = ray.remote(TrainRayActor)
+        env = {"env_vars": dict(args.train_env_vars)} if args.train_env_vars else None
         self.actors = [
-            cls.options(num_gpus=TRAIN_ACTOR_GPU, num_cpus=0.01, scheduling_strategy=placement.strategy(i)).remote(
-                args, i, n, "127.0.0.1", port
-            )
+            cls.options(
+                num_gpus=TRAIN_ACTOR_GPU, num_cpus=0.01, scheduling_strategy=placement.strategy(i), runtime_env=env
+            ).remote(args, i, n)
             for i in range(n)
         ]
 
     def init(self, load_path: str | None = None) -> int:
-        starts = ray.get([a.init.remote(load_path) for a in self.actors])
+        """Rank 0 picks the rendezvous on its node; every rank joins there and builds its trainer."""
+        master_addr, master_port = ray.get(self.actors[0].rendezvous_address.remote())
+        starts = ray.get([a.init.remote(master_addr, master_port, load_path) for a in self.actors])
         return starts[0]
 
     def train(self, rollout_id: int, rank_data_refs: list[Any]) -> tuple[list[str | None], dict[str, float]]:

@@ -1,8 +1,15 @@
-"""Rollout samples → per-DP-rank train data (spec §1.7), on the RolloutManager.
+"""Rollout samples -> per-DP-rank train data, on the RolloutManager.
 
-Order matters: rewards are normalised per prompt over *this* rollout's trajectories, then the carry buffer
-prepends groups left over from the previous rollout (their rewards stay frozen), then the step / micro-batch /
+Order matters: samples are converted to per-sample lists (rewards normalised per prompt over *this* rollout's
+trajectories; `--custom-convert-samples-to-train-data-path` replaces this step), then the carry buffer
+prepends groups left over from the previous rollout (their values stay frozen), then the step / micro-batch /
 DP schedule is built and each rank receives exactly its samples plus the per-step denominators.
+
+The train-data dict (what a train rank receives; `docs/architecture.md` shows it): per-sample lists
+`tokens`, `response_lengths`, `total_lengths`, `loss_masks`, `group_mask_sums`, `rewards`, `raw_reward`,
+`truncated`, `sample_indices`, `group_ids`, `origin_rollout_ids`, optional `rollout_log_probs` and `metadata`
+(plus any other per-sample list a custom conversion adds), and the schedule: `micro_batch_indices` (this
+rank's micro-batches as indices into the lists), `num_microbatches` and `global_batch_sizes` per step.
 """
 
 from __future__ import annotations
@@ -12,33 +19,26 @@ from argparse import Namespace
 from typing import Any
 
 from slime.algorithms.advantages import normalize_rewards_from_args
-from slime.algorithms.fan_out import validate_fan_out
+from slime.algorithms.fan_out import assign_default_group_ids, flatten_samples, validate_fan_out
 from slime.scheduling.carry import CarryBuffer, TrainBatch
 from slime.scheduling.denominators import group_mask_sums, sample_loss_mask
-from slime.scheduling.schedule import Schedule, build_schedule_from_args, sample_group_id
+from slime.scheduling.schedule import Schedule, build_schedule_from_args
+from slime.utils.errors import SlimeArgError
 from slime.utils.misc import load_function
 from slime.utils.types import Sample, Status
 
 logger = logging.getLogger(__name__)
 
+REQUIRED_KEYS = ("tokens", "response_lengths", "loss_masks", "rewards")
 
-def flatten_samples(output: list[Any]) -> list[Sample]:
-    """`list[list[Sample]]` (prompt × trajectory), or deeper with fan-out, to a flat list; ids defaulted."""
+
+def rollout_samples(output: list[Any]) -> list[Sample]:
+    """A rollout function's output (prompt x trajectory, deeper with fan-out) as a flat list, with every
+    trajectory's group id set."""
     validate_fan_out(output)
-    flat: list[Sample] = []
-
-    def walk(x: Any) -> None:
-        if isinstance(x, Sample):
-            flat.append(x)
-        else:
-            for y in x:
-                walk(y)
-
-    walk(output)
-    for s in flat:
-        if s.group_id is None:
-            s.group_id = s.index
-    return flat
+    samples = flatten_samples(output)
+    assign_default_group_ids(samples)
+    return samples
 
 
 def post_process_rewards(args: Namespace, samples: list[Sample]) -> tuple[list[float], list[float]]:
@@ -49,43 +49,79 @@ def post_process_rewards(args: Namespace, samples: list[Sample]) -> tuple[list[f
     return raw, [float(r) for r in normalize_rewards_from_args(args, samples)]
 
 
-def sample_values(args: Namespace, samples: list[Sample]) -> dict[str, list[Any]]:
-    """Per-sample values frozen at rollout time (they travel with a group if it is carried over)."""
+def samples_to_train_data(args: Namespace, samples: list[Sample]) -> dict[str, list[Any]]:
+    """The default conversion: per-sample lists with slime's keys. `Sample.remove_sample` zeroes the sample's
+    loss mask (it still counts in the reward normalisation)."""
     raw, rewards = post_process_rewards(args, samples)
-    return {"rewards": rewards, "raw_reward": raw}
+    data: dict[str, list[Any]] = {
+        "tokens": [s.tokens for s in samples],
+        "response_lengths": [s.response_length for s in samples],
+        "loss_masks": [[0] * s.response_length if s.remove_sample else sample_loss_mask(s) for s in samples],
+        "rewards": rewards,
+        "raw_reward": raw,
+        "truncated": [int(s.status == Status.TRUNCATED) for s in samples],
+        "sample_indices": [s.index for s in samples],
+    }
+    if samples and all(s.rollout_log_probs is not None for s in samples):
+        data["rollout_log_probs"] = [s.rollout_log_probs for s in samples]
+    if any(s.train_metadata for s in samples):
+        data["metadata"] = [s.train_metadata for s in samples]
+    return data
+
+
+def convert_samples(args: Namespace, samples: list[Sample]) -> dict[str, list[Any]]:
+    """`samples_to_train_data`, or `--custom-convert-samples-to-train-data-path(args, samples) -> dict`.
+
+    Per-sample lists are kept (and carried over with their group); other values are dropped with a warning,
+    since the schedule, not the conversion, decides what each rank trains."""
+    if not args.custom_convert_samples_to_train_data_path:
+        return samples_to_train_data(args, samples)
+    hook = args.custom_convert_samples_to_train_data_path
+    out = load_function(hook)(args, samples)
+    if not isinstance(out, dict):
+        raise SlimeArgError(f"--custom-convert-samples-to-train-data-path {hook}: returned {type(out).__name__}")
+    data: dict[str, list[Any]] = {}
+    for key, value in out.items():
+        if isinstance(value, list | tuple) and len(value) == len(samples):
+            data[key] = list(value)
+        else:
+            logger.warning("custom train data: %r is not a per-sample list; dropped", key)
+    missing = [k for k in REQUIRED_KEYS if k not in data]
+    if missing:
+        raise SlimeArgError(
+            f"--custom-convert-samples-to-train-data-path {hook}: no per-sample list for {', '.join(missing)}"
+        )
+    columns = zip(data["tokens"], data["response_lengths"], data["loss_masks"], strict=True)
+    for i, (tokens, n, mask) in enumerate(columns):
+        if len(mask) != n or n > len(tokens):
+            raise SlimeArgError(
+                f"--custom-convert-samples-to-train-data-path {hook}: sample {i} has {len(tokens)} tokens, "
+                f"response length {n} and a loss mask of {len(mask)}"
+            )
+    return data
 
 
 def _rank_data(batch: TrainBatch, schedule: Schedule, rank: int) -> dict[str, Any]:
     idx = schedule.partitions[rank]
-    samples = [batch.samples[i] for i in idx]
-    masks = [[0] * s.response_length if s.remove_sample else sample_loss_mask(s) for s in batch.samples]
+    values = batch.values
+    group_ids = [s.train_group_id for s in batch.samples]
     # Denominators per step over the whole step's group (all ranks), so partial sums add up exactly.
     denoms = [0] * len(batch.samples)
     for step in schedule.steps:
         step_idx = step.sample_indices
-        sums = group_mask_sums([masks[i] for i in step_idx], [sample_group_id(batch.samples[i]) for i in step_idx])
+        sums = group_mask_sums([values["loss_masks"][i] for i in step_idx], [group_ids[i] for i in step_idx])
         for i, d in zip(step_idx, sums, strict=True):
             denoms[i] = d
-    data: dict[str, Any] = {
-        "tokens": [s.tokens for s in samples],
-        "response_lengths": [s.response_length for s in samples],
-        "total_lengths": [len(s.tokens) for s in samples],
-        "loss_masks": [masks[i] for i in idx],
-        "group_mask_sums": [denoms[i] for i in idx],
-        "rewards": [batch.values["rewards"][i] for i in idx],
-        "raw_reward": [batch.values["raw_reward"][i] for i in idx],
-        "truncated": [int(s.status == Status.TRUNCATED) for s in samples],
-        "sample_indices": [s.index for s in samples],
-        "group_ids": [sample_group_id(s) for s in samples],
-        "origin_rollout_ids": [batch.origin_rollout_ids[i] for i in idx],
-        "micro_batch_indices": schedule.micro_batch_indices[rank],
-        "num_microbatches": schedule.num_microbatches,
-        "global_batch_sizes": schedule.global_batch_sizes,
-    }
-    if all(s.rollout_log_probs is not None for s in samples):
-        data["rollout_log_probs"] = [s.rollout_log_probs for s in samples]
-    if any(s.train_metadata for s in samples):
-        data["metadata"] = [s.train_metadata for s in samples]
+    data: dict[str, Any] = {key: [column[i] for i in idx] for key, column in values.items()}
+    data.update(
+        total_lengths=[len(values["tokens"][i]) for i in idx],
+        group_mask_sums=[denoms[i] for i in idx],
+        group_ids=[group_ids[i] for i in idx],
+        origin_rollout_ids=[batch.origin_rollout_ids[i] for i in idx],
+        micro_batch_indices=schedule.micro_batch_indices[rank],
+        num_microbatches=schedule.num_microbatches,
+        global_batch_sizes=schedule.global_batch_sizes,
+    )
     return data
 
 
@@ -93,8 +129,9 @@ def build_rank_data(
     args: Namespace, rollout_id: int, samples: list[Sample], carry: CarryBuffer, parallel_config: dict[str, int]
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """One train-data dict per DP rank, plus scheduling metrics (carried/deferred groups, steps)."""
-    batch = carry.merge(rollout_id, samples, sample_values(args, samples))
-    schedule = build_schedule_from_args(args, batch.samples, parallel_config)
+    batch = carry.merge(rollout_id, samples, convert_samples(args, samples))
+    lengths = [len(t) for t in batch.values["tokens"]]
+    schedule = build_schedule_from_args(args, batch.samples, parallel_config, total_lengths=lengths)
     metrics = carry.defer(batch, schedule.leftover_sample_indices)
     metrics["train/num_steps"] = float(len(schedule.steps))
     metrics["train/num_samples"] = float(len(schedule.scheduled_sample_indices))

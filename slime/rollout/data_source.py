@@ -9,6 +9,7 @@ buffer) is saved as JSON so a resumed run hands out exactly the batches an unint
 from __future__ import annotations
 
 import abc
+import inspect
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ from typing import Any
 
 from slime.rollout.dataset import Dataset, build_train_dataset, validate_prompt_data
 from slime.rollout.filter_hub.buffer_filters import pop_first
+from slime.utils.atomic import atomic_open
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
@@ -53,6 +55,22 @@ class DataSource(abc.ABC):
     def __len__(self) -> int: ...
 
 
+def call_with_checkpoint_dir(method: Any, rollout_id: int, path_dir: str) -> None:
+    """`save` / `load` of a data source with the checkpoint's `rollout/` directory when it takes one.
+
+    slime v0.3.0's `DataSource.save(rollout_id)` / `load(rollout_id=None)` take no directory and use
+    `args.save` / `args.load` themselves; such a class (written against slime) is called that way, unchanged."""
+    params = [
+        p
+        for p in inspect.signature(method).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+    ]
+    if len(params) >= 2:
+        method(rollout_id, path_dir)
+    else:
+        method(rollout_id)
+
+
 def state_path(path_dir: str, rollout_id: int) -> str:
     return os.path.join(path_dir, f"global_dataset_state_dict_{rollout_id}.json")
 
@@ -62,8 +80,8 @@ class RolloutDataSource(DataSource):
 
     def __init__(self, args: Any, dataset: Dataset | None = None) -> None:
         self.args = args
-        self.n_samples_per_prompt = int(getattr(args, "n_samples_per_prompt", 1) or 1)
-        if getattr(args, "disable_rollout_global_dataset", False):
+        self.n_samples_per_prompt = args.n_samples_per_prompt
+        if args.disable_rollout_global_dataset:
             self.dataset = None
         else:
             self.dataset = dataset if dataset is not None else build_train_dataset(args)
@@ -84,8 +102,8 @@ class RolloutDataSource(DataSource):
 
     def _epoch_order(self, epoch_id: int) -> list[int]:
         order = list(range(self.num_prompts))
-        if getattr(self.args, "rollout_shuffle", False):
-            random.Random(int(getattr(self.args, "rollout_seed", 42)) + epoch_id).shuffle(order)
+        if self.args.rollout_shuffle:
+            random.Random(int(self.args.rollout_seed) + epoch_id).shuffle(order)
         return order
 
     def _next_prompt(self) -> Sample:
@@ -144,28 +162,21 @@ class RolloutDataSource(DataSource):
         self.sample_index = int(state["sample_index"])
         self._order = self._epoch_order(self.epoch_id)
 
-    def _dir(self, path_dir: str | None, attr: str) -> str | None:
+    def _dir(self, path_dir: str | None, base: str | None) -> str | None:
         if path_dir is not None:
             return path_dir
-        base = getattr(self.args, attr, None)
         return os.path.join(base, "rollout") if base else None
 
     def save(self, rollout_id: int, path_dir: str | None = None) -> None:
         """Write the state atomically (tmp file, then rename) so a crash mid-save never leaves a torn file."""
-        d = self._dir(path_dir, "save")
+        d = self._dir(path_dir, self.args.save)
         if d is None:
             return
-        os.makedirs(d, exist_ok=True)
-        path = state_path(d, rollout_id)
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
+        with atomic_open(state_path(d, rollout_id)) as f:
             json.dump(self._state(), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
 
     def load(self, rollout_id: int | None, path_dir: str | None = None) -> None:
-        d = self._dir(path_dir, "load")
+        d = self._dir(path_dir, self.args.load)
         if d is None or rollout_id is None:
             return
         path = state_path(d, rollout_id)
@@ -184,7 +195,7 @@ class RolloutDataSourceWithBuffer(RolloutDataSource):
     def __init__(self, args: Any, dataset: Dataset | None = None) -> None:
         super().__init__(args, dataset)
         self.buffer: list[list[Sample]] = []
-        path = getattr(args, "buffer_filter_path", None)
+        path = args.buffer_filter_path
         self.buffer_filter = load_function(path) if path else pop_first
 
     def get_samples(self, num_groups: int) -> list[list[Sample]]:

@@ -156,7 +156,7 @@ def _prompt_num_tokens(tokenizer: Any, prompt: str | list[dict[str, Any]], tools
 
 
 def _chat_template_kwargs(args: Any) -> dict[str, Any]:
-    raw = getattr(args, "apply_chat_template_kwargs", None)
+    raw = args.apply_chat_template_kwargs
     if not raw:
         return {}
     if isinstance(raw, dict):
@@ -173,24 +173,24 @@ def _chat_template_kwargs(args: Any) -> dict[str, Any]:
 def _tokenizer_for(args: Any, needed: bool) -> Any:
     if not needed:
         return None
-    if not getattr(args, "hf_checkpoint", None):
+    if not args.hf_checkpoint:
         raise SlimeArgError("--apply-chat-template / --rollout-max-prompt-len need --hf-checkpoint (the tokenizer)")
     return load_tokenizer(args.hf_checkpoint)
 
 
 def build_train_dataset(args: Any) -> Dataset:
     """The `--prompt-data` dataset as the flags describe it."""
-    if not getattr(args, "prompt_data", None):
+    if not args.prompt_data:
         raise SlimeArgError("--prompt-data is required unless --disable-rollout-global-dataset is set")
-    max_len = getattr(args, "rollout_max_prompt_len", None)
-    chat = bool(getattr(args, "apply_chat_template", False))
+    max_len = args.rollout_max_prompt_len
+    chat = bool(args.apply_chat_template)
     return Dataset(
         args.prompt_data,
         tokenizer=_tokenizer_for(args, chat or max_len is not None),
-        input_key=getattr(args, "input_key", None) or "input",
-        label_key=getattr(args, "label_key", None),
-        metadata_key=getattr(args, "metadata_key", None) or "metadata",
-        tool_key=getattr(args, "tool_key", "tools"),
+        input_key=args.input_key,
+        label_key=args.label_key,
+        metadata_key=args.metadata_key,
+        tool_key=args.tool_key,
         apply_chat_template=chat,
         apply_chat_template_kwargs=_chat_template_kwargs(args),
         max_prompt_len=max_len,
@@ -199,7 +199,7 @@ def build_train_dataset(args: Any) -> Dataset:
 
 def eval_dataset_specs(args: Any) -> list[tuple[str, str]]:
     """`--eval-prompt-data name path [name path ...]` as (name, path) pairs."""
-    raw = getattr(args, "eval_prompt_data", None) or []
+    raw = args.eval_prompt_data or []
     if len(raw) % 2:
         raise SlimeArgError(f"--eval-prompt-data takes 'name path' pairs; got {len(raw)} value(s): {raw}")
     return [(raw[i], raw[i + 1]) for i in range(0, len(raw), 2)]
@@ -208,19 +208,18 @@ def eval_dataset_specs(args: Any) -> list[tuple[str, str]]:
 def build_eval_dataset(args: Any, name: str, path: str) -> Dataset:
     """One eval dataset; `--eval-*` keys and lengths default to their rollout counterparts."""
 
-    def pick(eval_name: str, train_name: str, default: Any = None) -> Any:
-        v = getattr(args, eval_name, None)
-        return v if v is not None else getattr(args, train_name, default)
+    def pick(eval_value: Any, train_value: Any) -> Any:
+        return eval_value if eval_value is not None else train_value
 
-    max_len = pick("eval_max_prompt_len", "rollout_max_prompt_len")
-    chat = bool(getattr(args, "apply_chat_template", False))
+    max_len = pick(args.eval_max_prompt_len, args.rollout_max_prompt_len)
+    chat = bool(args.apply_chat_template)
     return Dataset(
         path,
         tokenizer=_tokenizer_for(args, chat or max_len is not None),
-        input_key=pick("eval_input_key", "input_key", "input") or "input",
-        label_key=pick("eval_label_key", "label_key"),
-        metadata_key=getattr(args, "metadata_key", None) or "metadata",
-        tool_key=pick("eval_tool_key", "tool_key", "tools"),
+        input_key=pick(args.eval_input_key, args.input_key),
+        label_key=pick(args.eval_label_key, args.label_key),
+        metadata_key=args.metadata_key,
+        tool_key=pick(args.eval_tool_key, args.tool_key),
         apply_chat_template=chat,
         apply_chat_template_kwargs=_chat_template_kwargs(args),
         max_prompt_len=max_len,
@@ -234,7 +233,7 @@ def validate_prompt_data(args: Any) -> int:
     Returns the number of training prompts (0 with `--disable-rollout-global-dataset`)."""
     for name, path in eval_dataset_specs(args):
         build_eval_dataset(args, name, path)
-    if getattr(args, "disable_rollout_global_dataset", False):
+    if args.disable_rollout_global_dataset:
         return 0
     ds = build_train_dataset(args)
     if len(ds) == 0:

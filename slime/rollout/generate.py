@@ -35,7 +35,7 @@ def get_model_url(args: Any, name: str | None = None, endpoint: str = "/generate
     """The router URL of model `name` (from `--sglang-config`), or of the actor model when `name` is None."""
     if name is None:
         return f"http://{args.sglang_router_ip}:{args.sglang_router_port}{endpoint}"
-    routers: dict[str, str] = getattr(args, "sglang_model_routers", None) or {}
+    routers: dict[str, str] = args.sglang_model_routers or {}
     if name not in routers:
         raise KeyError(
             f"no router for model {name!r}; known models: {sorted(routers) or 'none'} (see --sglang-config)"
@@ -89,24 +89,22 @@ def flatten_group(group: list[Sample | list[Sample]]) -> list[Sample]:
 def base_sampling_params(args: Any, evaluation: bool = False) -> dict[str, Any]:
     """SGLang sampling params from the flags; `--eval-*` values default to the rollout ones."""
 
-    def pick(name: str) -> Any:
-        if evaluation and getattr(args, f"eval_{name}", None) is not None:
-            return getattr(args, f"eval_{name}")
-        return getattr(args, f"rollout_{name}", None)
+    def pick(eval_value: Any, rollout_value: Any) -> Any:
+        return eval_value if evaluation and eval_value is not None else rollout_value
 
     params: dict[str, Any] = {
-        "temperature": pick("temperature") if pick("temperature") is not None else 1.0,
-        "top_p": pick("top_p") if pick("top_p") is not None else 1.0,
-        "top_k": pick("top_k") if pick("top_k") is not None else -1,
-        "max_new_tokens": pick("max_response_len"),
-        "stop": getattr(args, "rollout_stop", None),
-        "stop_token_ids": getattr(args, "rollout_stop_token_ids", None),
-        "skip_special_tokens": bool(getattr(args, "rollout_skip_special_tokens", False)),
+        "temperature": pick(args.eval_temperature, args.rollout_temperature),
+        "top_p": pick(args.eval_top_p, args.rollout_top_p),
+        "top_k": pick(args.eval_top_k, args.rollout_top_k),
+        "max_new_tokens": pick(args.eval_max_response_len, args.rollout_max_response_len),
+        "stop": args.rollout_stop,
+        "stop_token_ids": args.rollout_stop_token_ids,
+        "skip_special_tokens": bool(args.rollout_skip_special_tokens),
         # keep the stop token in output_ids: the trainer must see the exact tokens the policy sampled
         "no_stop_trim": True,
         "spaces_between_special_tokens": False,
     }
-    if evaluation and getattr(args, "eval_min_new_tokens", None) is not None:
+    if evaluation and args.eval_min_new_tokens is not None:
         params["min_new_tokens"] = args.eval_min_new_tokens
     return params
 
@@ -119,9 +117,9 @@ class GenerateState:
     def __init__(self, args: Any, loop: asyncio.AbstractEventLoop) -> None:
         self.args = args
         self.loop = loop
-        num_gpus = getattr(args, "rollout_num_gpus", None) or 1
-        per_engine = getattr(args, "rollout_num_gpus_per_engine", None) or 1
-        concurrency = int(getattr(args, "sglang_server_concurrency", None) or 512)
+        num_gpus = args.rollout_num_gpus or 1  # 0 with --rollout-external: one engine per address
+        per_engine = args.rollout_num_gpus_per_engine
+        concurrency = args.sglang_server_concurrency
         self.semaphore = asyncio.Semaphore(max(1, concurrency * max(1, num_gpus // per_engine)))
         self.sampling_params = base_sampling_params(args)
         self.aborted = False
@@ -172,7 +170,7 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
     if budget is not None:
         # A continuation only gets what is left of the response budget (slime #2261).
         budget -= sample.response_length
-    if (ctx := getattr(args, "rollout_max_context_len", None)) is not None:
+    if (ctx := args.rollout_max_context_len) is not None:
         budget = ctx - len(input_ids) if budget is None else min(budget, ctx - len(input_ids))
     if budget is not None and budget <= 0:
         sample.status = Status.TRUNCATED
@@ -184,7 +182,7 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
     payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
     key = sample.session_id if sample.session_id is not None else sample.group_index
     headers = {ROUTING_KEY_HEADER: str(key)} if key is not None else None
-    if getattr(args, "use_fault_tolerance", False):
+    if args.use_fault_tolerance:
         out = await post_generate_with_failover(args, get_model_url(args), payload, headers)
     else:
         out = await post_json(get_model_url(args), payload, headers=headers)
@@ -212,7 +210,7 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
 async def _call_generate_fn(
     args: Any, sample: Sample, params: dict[str, Any], evaluation: bool
 ) -> Sample | list[Sample]:
-    path = sample.generate_function_path or getattr(args, "custom_generate_function_path", None)
+    path = sample.generate_function_path or args.custom_generate_function_path
     if not path:
         return await generate(args, sample, params)
     fn = load_function(path)
@@ -225,7 +223,7 @@ async def generate_and_rm(
     args: Any, sample: Sample, sampling_params: dict[str, Any], evaluation: bool = False
 ) -> Sample | list[Sample]:
     """Generate one trajectory (maybe several samples: fan-out) and score it unless `--group-rm` scores later."""
-    if getattr(args, "partial_rollout", False) and getattr(args, "mask_offpolicy_in_partial_rollout", False):
+    if args.partial_rollout and args.mask_offpolicy_in_partial_rollout:
         if sample.response_length > 0:
             # tokens from an older policy stay in the context but are not trained on
             sample.loss_mask = [0] * sample.response_length
@@ -242,7 +240,7 @@ async def generate_and_rm(
                 params["sampling_seed"] = seed
             result = await _call_generate_fn(args, sample, params, evaluation)
 
-    if getattr(args, "group_rm", False) and not evaluation:
+    if args.group_rm and not evaluation:
         return result
     samples = result if isinstance(result, list) else [result]
     if any(s.status == Status.ABORTED for s in samples):
@@ -264,7 +262,7 @@ async def generate_and_rm_group(
     if state.aborted:
         return group
     results = list(await asyncio.gather(*(generate_and_rm(args, s, dict(sampling_params), evaluation) for s in group)))
-    if getattr(args, "group_rm", False) and not state.aborted:
+    if args.group_rm and not state.aborted:
         flat = flatten_group(results)
         if not any(s.status == Status.ABORTED for s in flat):
             for s, r in zip(flat, await batched_async_rm(args, flat), strict=True):

@@ -56,9 +56,7 @@ def _seed_group(args: Any, rollout_id: int, group: list[Sample]) -> None:
     # from a checkpoint) keeps its seed, so the run is reproducible across restarts.
     for s in flatten_group(group):
         if s.index is not None and "sampling_seed" not in s.metadata:
-            s.metadata["sampling_seed"] = derive_sampling_seed(
-                int(getattr(args, "rollout_seed", 42)), rollout_id, s.index
-            )
+            s.metadata["sampling_seed"] = derive_sampling_seed(int(args.rollout_seed), rollout_id, s.index)
 
 
 async def abort(args: Any, rollout_id: int, pending: dict[asyncio.Task, list[Sample]]) -> list[list[Sample]]:
@@ -69,7 +67,7 @@ async def abort(args: Any, rollout_id: int, pending: dict[asyncio.Task, list[Sam
     the tasks drained, because an aborted `/generate` still returns the tokens produced so far."""
     state = GenerateState.get(args)
     state.aborted = True
-    partial = bool(getattr(args, "partial_rollout", False))
+    partial = bool(args.partial_rollout)
     if not partial:
         for task in pending:
             task.cancel()
@@ -90,7 +88,7 @@ async def abort(args: Any, rollout_id: int, pending: dict[asyncio.Task, list[Sam
 
 
 async def _abort_engines(args: Any) -> None:
-    if getattr(args, "sglang_router_ip", None) is None:
+    if args.sglang_router_ip is None:
         return
     try:
         listing = await get_json(get_model_url(args, endpoint="/workers"), max_retries=1)
@@ -132,9 +130,9 @@ async def generate_rollout_async(
     state = GenerateState.get(args)
     state.reset()
     target = int(args.rollout_batch_size)
-    per_round = int(getattr(args, "over_sampling_batch_size", None) or target)
-    n = int(getattr(args, "n_samples_per_prompt", 1) or 1)
-    filt_path = getattr(args, "dynamic_sampling_filter_path", None)
+    per_round = args.over_sampling_batch_size
+    n = args.n_samples_per_prompt
+    filt_path = args.dynamic_sampling_filter_path
     dynamic_filter = load_function(filt_path) if filt_path else None
 
     pending: dict[asyncio.Task, list[Sample]] = {}
@@ -176,16 +174,16 @@ async def generate_rollout_async(
         raise
 
     recycled = await abort(args, rollout_id, pending)
-    if getattr(args, "partial_rollout", False):
+    if args.partial_rollout:
         recycled = surplus + recycled
         logger.info("rollout %d: %d group(s) go back to the buffer", rollout_id, len(recycled))
     state.reset()
 
     accepted.sort(key=_group_order_key)
     generated.sort(key=_group_order_key)
-    if path := getattr(args, "rollout_sample_filter_path", None):
+    if path := args.rollout_sample_filter_path:
         load_function(path)(args, accepted)
-    if path := getattr(args, "rollout_all_samples_process_path", None):
+    if path := args.rollout_all_samples_process_path:
         load_function(path)(args, generated, data_source)
     metrics = _metrics(args, accepted, drops, len(generated))
     return RolloutFnTrainOutput(samples=accepted, metrics=metrics), recycled
@@ -196,7 +194,7 @@ _EVAL_DATASETS: dict[tuple, Dataset] = {}
 
 async def eval_rollout(args: Any, rollout_id: int) -> RolloutFnEvalOutput:
     """Every `--eval-prompt-data` dataset, `n_samples_per_eval_prompt` samples per prompt."""
-    if getattr(args, "group_rm", False):
+    if args.group_rm:
         raise ValueError("--group-rm is not supported for evaluation")
     GenerateState.get(args).reset()
     results = await asyncio.gather(
@@ -214,16 +212,16 @@ async def eval_rollout(args: Any, rollout_id: int) -> RolloutFnEvalOutput:
 
 
 async def _eval_one(args: Any, rollout_id: int, name: str, path: str) -> tuple[str, dict[str, list[Any]]]:
-    key = (name, path, getattr(args, "hf_checkpoint", None), bool(getattr(args, "apply_chat_template", False)))
+    key = (name, path, args.hf_checkpoint, bool(args.apply_chat_template))
     if key not in _EVAL_DATASETS:
         _EVAL_DATASETS[key] = build_eval_dataset(args, name, path)
     dataset = _EVAL_DATASETS[key]
-    n = int(getattr(args, "n_samples_per_eval_prompt", None) or 1)
+    n = args.n_samples_per_eval_prompt
     params = base_sampling_params(args, evaluation=True)
-    seed = int(getattr(args, "rollout_seed", 42))
+    seed = int(args.rollout_seed)
     # Common random numbers: with a fixed seed, a sampled eval at T>0 changes between two evals only where the
     # weights changed, so a flat curve really is flat instead of moving by the sampling noise of each eval.
-    seed_rollout_id = 0 if getattr(args, "eval_fixed_sampling_seed", False) else rollout_id
+    seed_rollout_id = 0 if args.eval_fixed_sampling_seed else rollout_id
     samples = []
     for prompt in dataset.samples:
         for _ in range(n):
@@ -235,7 +233,7 @@ async def _eval_one(args: Any, rollout_id: int, name: str, path: str) -> tuple[s
     outs = await asyncio.gather(*(generate_and_rm(args, s, params, evaluation=True) for s in samples))
     flat = [s for o in outs for s in (o if isinstance(o, list) else [o])]
     flat.sort(key=lambda s: s.index if s.index is not None else -1)
-    reward_key = getattr(args, "eval_reward_key", None) or getattr(args, "reward_key", None)
+    reward_key = args.eval_reward_key or args.reward_key
     rewards = [s.reward[reward_key] if reward_key and isinstance(s.reward, dict) else s.reward for s in flat]
     return name, {"rewards": rewards, "truncated": [s.status == Status.TRUNCATED for s in flat], "samples": flat}
 

@@ -8,8 +8,6 @@ from slime.scheduling.schedule import (
     StepSchedule,
     build_schedule,
     build_schedule_from_args,
-    resolve_global_batch_size,
-    sample_group_id,
 )
 
 __all__ = [
@@ -21,8 +19,6 @@ __all__ = [
     "build_schedule",
     "build_schedule_from_args",
     "group_mask_sums",
-    "resolve_global_batch_size",
-    "sample_group_id",
     "sample_loss_mask",
     "sample_mask_sums",
 ]

@@ -20,7 +20,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from slime.scheduling.schedule import sample_group_id
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -65,15 +64,19 @@ class CarryBuffer:
                 raise ValueError(f"values[{key!r}] has {len(vals)} entries for {len(samples)} samples")
         carried_ids = set(self.group_ids)
         for s in samples:
-            if sample_group_id(s) in carried_ids:
+            if s.train_group_id in carried_ids:
                 raise ValueError(
-                    f"group id {sample_group_id(s)} of rollout {rollout_id} collides with a carried group; "
+                    f"group id {s.train_group_id} of rollout {rollout_id} collides with a carried group; "
                     "group ids must be unique across rollouts"
                 )
-        keys = set(values) | {k for g in self._groups for k in g.values}
+        # Optional per-sample values (e.g. rollout log-probs) may exist in one rollout and not the next: keep
+        # the values every sample has.
+        keys = set(values)
         for g in self._groups:
-            if set(g.values) != keys:
-                raise ValueError(f"carried group {g.group_id} has values {sorted(g.values)}, expected {sorted(keys)}")
+            keys &= set(g.values)
+        dropped = (set(values) | {k for g in self._groups for k in g.values}) - keys
+        if dropped:
+            logger.info("values %s are not on every sample of rollout %d; dropped", sorted(dropped), rollout_id)
         batch = TrainBatch(
             samples=[s for g in self._groups for s in g.samples] + list(samples),
             values={k: [v for g in self._groups for v in g.values[k]] + list(values[k]) for k in keys},
@@ -89,7 +92,7 @@ class CarryBuffer:
         by_group: dict[int, CarriedGroup] = {}
         for i in leftover_sample_indices:
             s = batch.samples[i]
-            gid = sample_group_id(s)
+            gid = s.train_group_id
             if gid not in by_group:
                 by_group[gid] = CarriedGroup(gid, batch.origin_rollout_ids[i], [], {k: [] for k in batch.values})
             by_group[gid].samples.append(s)

@@ -237,33 +237,15 @@ def build_schedule(
     )
 
 
-def sample_group_id(sample: Any) -> int:
-    """A sample's aggregation unit: its `group_id`, defaulting to its trajectory `index` (spec §5.1)."""
-    gid = sample.group_id if sample.group_id is not None else sample.index
-    if gid is None:
-        raise ValueError("sample has neither group_id nor index; the data source must set Sample.index")
-    return gid
-
-
-def resolve_global_batch_size(args: Any) -> int:
-    """B from `--global-batch-size`, or derived from `--num-steps-per-rollout` as slime does."""
-    gbs = getattr(args, "global_batch_size", None)
-    steps = getattr(args, "num_steps_per_rollout", None)
-    if gbs is None:
-        if not steps:
-            raise SlimeArgError("set --global-batch-size or --num-steps-per-rollout")
-        gbs = args.rollout_batch_size * args.n_samples_per_prompt // steps
-        if gbs <= 0:
-            raise SlimeArgError(
-                f"--num-steps-per-rollout {steps} exceeds the {args.rollout_batch_size * args.n_samples_per_prompt} "
-                "groups of a rollout"
-            )
-    return int(gbs)
-
-
-def build_schedule_from_args(args: Any, samples: Sequence[Any], parallel_config: Mapping[str, int] | Any) -> Schedule:
+def build_schedule_from_args(
+    args: Any,
+    samples: Sequence[Any],
+    parallel_config: Mapping[str, int] | Any,
+    total_lengths: Sequence[int] | None = None,
+) -> Schedule:
     """`build_schedule` for a list of `Sample`s; `parallel_config` has dp_size, cp_size[, pp_size, vpp_size,
-    microbatch_group_size_per_vp_stage] as a dict or attributes."""
+    microbatch_group_size_per_vp_stage] as a dict or attributes. `total_lengths` (default: the samples' token
+    counts) are what the trainer will pack."""
 
     def pc(name: str, default: Any) -> Any:
         if isinstance(parallel_config, Mapping):
@@ -273,17 +255,17 @@ def build_schedule_from_args(args: Any, samples: Sequence[Any], parallel_config:
         return default if value is None else value
 
     return build_schedule(
-        [len(s.tokens) for s in samples],
-        [sample_group_id(s) for s in samples],
-        global_batch_size=resolve_global_batch_size(args),
+        list(total_lengths) if total_lengths is not None else [len(s.tokens) for s in samples],
+        [s.train_group_id for s in samples],
+        global_batch_size=args.global_batch_size,
         dp_size=pc("dp_size", 1),
         cp_size=pc("cp_size", 1),
         pp_size=pc("pp_size", 1),
         vpp_size=pc("vpp_size", 1),
         microbatch_group_size_per_vp_stage=pc("microbatch_group_size_per_vp_stage", None),
-        micro_batch_size=getattr(args, "micro_batch_size", 1) or 1,
-        use_dynamic_batch_size=bool(getattr(args, "use_dynamic_batch_size", False)),
-        max_tokens_per_gpu=getattr(args, "max_tokens_per_gpu", None),
-        balance_data=bool(getattr(args, "balance_data", False)),
-        allow_partial_last_step=bool(getattr(args, "allow_partial_last_step", False)),
+        micro_batch_size=args.micro_batch_size,
+        use_dynamic_batch_size=bool(args.use_dynamic_batch_size),
+        max_tokens_per_gpu=args.max_tokens_per_gpu,
+        balance_data=bool(args.balance_data),
+        allow_partial_last_step=bool(args.allow_partial_last_step),
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
+import os
 import random
 import socket
 import subprocess
@@ -48,6 +49,22 @@ def _bindable(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+NODE_ADDRESS_ENV = "SLIME_NODE_ADDRESS"
+
+
+def node_address() -> str:
+    """The address slime's servers and rendezvous bind on this node.
+
+    On a cluster it is the Ray node's address (what the other nodes reach). A run whose Ray cluster the driver
+    started itself never leaves this machine: `init_ray` sets $SLIME_NODE_ADDRESS to loopback for every process
+    of the run (Ray itself reports the machine's interface address even then). Outside Ray: loopback."""
+    if os.environ.get(NODE_ADDRESS_ENV):
+        return os.environ[NODE_ADDRESS_ENV]
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
 
 def find_free_port(start: int | None = None, host: str = "127.0.0.1") -> int:

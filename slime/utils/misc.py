@@ -22,3 +22,14 @@ def load_function(path: str) -> Callable[..., Any]:
         return getattr(module, attr)
     except AttributeError as e:
         raise SlimeArgError(f"module {module_name!r} has no attribute {attr!r} (hook {path!r})") from e
+
+
+def json_arg(text: str) -> Any:
+    """argparse `type=` for flags that take JSON (a bad value becomes argparse's one-line error)."""
+    import argparse
+    import json
+
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg})") from e

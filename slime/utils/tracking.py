@@ -60,7 +60,7 @@ class Tracker:
     """
 
     def __init__(self, args: Any) -> None:
-        self.metrics_dir: str | None = getattr(args, "metrics_dir", None)
+        self.metrics_dir: str | None = args.metrics_dir
         self._jsonl_fd: int | None = None
         self._tb = None
         if not self.metrics_dir:
@@ -68,7 +68,7 @@ class Tracker:
         os.makedirs(self.metrics_dir, exist_ok=True)
         path = os.path.join(self.metrics_dir, "metrics.jsonl")
         self._jsonl_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        if getattr(args, "use_tensorboard", True):
+        if args.use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard import costs ~1 s
 
             self._tb = SummaryWriter(log_dir=os.path.join(self.metrics_dir, "tb"))

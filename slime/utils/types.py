@@ -76,11 +76,20 @@ class Sample:
     def get_reward_value(self, args: Any) -> float:
         """The scalar reward; a dict reward is indexed by `--reward-key`."""
         if isinstance(self.reward, dict):
-            key = getattr(args, "reward_key", None)
+            key = args.reward_key
             if key is None:
                 raise ValueError("Sample.reward is a dict; pass --reward-key to choose the scalar used for training")
             return float(self.reward[key])
         return float(self.reward) if self.reward is not None else 0.0
+
+    @property
+    def train_group_id(self) -> int:
+        """The training aggregation unit: `group_id`, defaulting to the trajectory's `index` (slime v0.3.0's rule).
+        Every place that groups samples for training asks this property, so the default lives here only."""
+        gid = self.group_id if self.group_id is not None else self.index
+        if gid is None:
+            raise ValueError("a sample has neither group_id nor index; the data source must set Sample.index")
+        return gid
 
     @property
     def effective_response_length(self) -> int:

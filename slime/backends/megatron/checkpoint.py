@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from slime.utils.atomic import atomic_open, fsync_dir
+
 logger = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -47,24 +49,6 @@ FORMAT_VERSION = 1
 # ---- directory protocol (driver side; no megatron import) ---------------------------------------------------
 def iter_dir(root: str, rollout_id: int) -> str:
     return os.path.join(root, f"iter_{rollout_id:07d}")
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def read_tracker(root: str | None) -> int | None:
@@ -109,7 +93,8 @@ def finish_save(root: str, rollout_id: int, meta: dict[str, Any]) -> str:
     """Mark the tmp dir complete, rename it into place, then move the tracker; returns the final dir."""
     tmp = iter_dir(root, rollout_id) + ".tmp"
     final = iter_dir(root, rollout_id)
-    _write_atomic(os.path.join(tmp, MARKER), json.dumps({"format_version": FORMAT_VERSION, **meta}, indent=1))
+    with atomic_open(os.path.join(tmp, MARKER)) as f:
+        json.dump({"format_version": FORMAT_VERSION, **meta}, f, indent=1)
     if os.path.exists(final):  # re-saving an id (a resumed run passing a save the killed run finished)
         old = final + ".old"
         shutil.rmtree(old, ignore_errors=True)
@@ -118,8 +103,9 @@ def finish_save(root: str, rollout_id: int, meta: dict[str, Any]) -> str:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    _fsync_dir(root)
-    _write_atomic(os.path.join(root, TRACKER), str(rollout_id))
+    fsync_dir(root)
+    with atomic_open(os.path.join(root, TRACKER)) as f:
+        f.write(str(rollout_id))
     logger.info("checkpoint of rollout %d complete: %s", rollout_id, final)
     return final
 
@@ -224,7 +210,7 @@ def save_trainer_state(trainer: Any, path: str, rollout_id: int) -> None:
     from slime.backends.megatron.hf_weights import unwrap_model
 
     args, ps = trainer.args, trainer.ps
-    save_optim = not getattr(args, "no_save_optim", False)
+    save_optim = not args.no_save_optim
     model_sd = unwrap_model(trainer.model).sharded_state_dict()
     state: dict[str, Any] = {"model": model_sd, "rng_state": _rng_object(ps, _rng_state())}
     if save_optim:
@@ -258,7 +244,7 @@ def load_trainer_state(trainer: Any, path: str) -> dict[str, Any]:
     model = unwrap_model(trainer.model)
     model_sd = model.sharded_state_dict()
     request: dict[str, Any] = {"model": model_sd}
-    load_optim = meta["saved_optim"] and not getattr(args, "no_load_optim", False)
+    load_optim = meta["saved_optim"] and not args.no_load_optim
     if load_optim:
         distributed = bool(trainer.optimizer.config.use_distributed_optimizer)
         if distributed != meta["distributed_optimizer"]:
@@ -272,7 +258,7 @@ def load_trainer_state(trainer: Any, path: str) -> dict[str, Any]:
             model_sd, is_loading=True, metadata=meta["optim_metadata"]
         )
     saved_layout = (meta["parallel"]["tp"], meta["parallel"]["pp"])
-    load_rng = not getattr(args, "no_load_rng", False) and saved_layout == (ps.size("tp"), ps.size("pp"))
+    load_rng = not args.no_load_rng and saved_layout == (ps.size("tp"), ps.size("pp"))
     if load_rng:
         request["rng_state"] = _rng_object(ps, None)
     state = dist_checkpointing.load(request, path)

@@ -114,14 +114,14 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
 
 def transformer_config_kwargs(spec: HFModelSpec, args: Any) -> dict[str, Any]:
     """Keyword arguments for `megatron.core.transformer.TransformerConfig` (shape, parallelism, dtype)."""
-    tp = getattr(args, "tensor_model_parallel_size", 1)
+    tp = args.tensor_model_parallel_size
     if spec.num_attention_heads % tp or spec.num_query_groups % tp and tp % spec.num_query_groups:
         raise SlimeArgError(
             f"--tensor-model-parallel-size {tp} must divide num_attention_heads ({spec.num_attention_heads}) "
             f"and divide or be a multiple of num_key_value_heads ({spec.num_query_groups})"
         )
-    bf16 = bool(getattr(args, "bf16", False))
-    etp = getattr(args, "expert_tensor_parallel_size", None)
+    bf16 = bool(args.bf16)
+    etp = args.expert_tensor_parallel_size
     return dict(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -147,12 +147,12 @@ def transformer_config_kwargs(spec: HFModelSpec, args: Any) -> dict[str, Any]:
         persist_layer_norm=False,
         attention_softmax_in_fp32=True,
         tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", 1),
-        virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
-        context_parallel_size=getattr(args, "context_parallel_size", 1),
-        expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=etp,
-        sequence_parallel=bool(getattr(args, "sequence_parallel", False)) and tp > 1,
+        sequence_parallel=bool(args.sequence_parallel) and tp > 1,
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # allgather rejects variable_seq_lengths (as slime forces)
         bf16=bf16,
@@ -160,7 +160,7 @@ def transformer_config_kwargs(spec: HFModelSpec, args: Any) -> dict[str, Any]:
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
         # CPU init makes the initial weights independent of the TP layout (and needs no CUDA).
         use_cpu_initialization=not torch.cuda.is_available(),
-        recompute_granularity=getattr(args, "recompute_granularity", None),
-        recompute_method="uniform" if getattr(args, "recompute_granularity", None) == "full" else None,
-        recompute_num_layers=1 if getattr(args, "recompute_granularity", None) == "full" else None,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method="uniform" if args.recompute_granularity == "full" else None,
+        recompute_num_layers=1 if args.recompute_granularity == "full" else None,
     )

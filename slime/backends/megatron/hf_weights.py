@@ -242,29 +242,15 @@ def iter_hf_tensors(
 
 
 def export_hf_weights(
-    models: Any | list[Any],
-    spec: HFModelSpec,
-    ps: ParallelState,
-    bucket_bytes: int = 512 * 1024**2,
-    dtype: torch.dtype | None = None,
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Buckets of `(hf_name, full tensor)` of at most `bucket_bytes` (one oversized tensor fills a bucket alone).
+    models: Any | list[Any], spec: HFModelSpec, ps: ParallelState, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(hf_name, full tensor)` of every parameter, one at a time (transfers bucket them: `weight_buckets.py`).
 
     `dtype` casts on the way out (e.g. bf16 for the rollout engine). A collective over the TP group.
     Without TP gathering or a cast, a yielded tensor may be a view of the live parameter: copy it (e.g. into a
     flattened bucket) before the next optimizer step if it must outlive the call.
     """
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
     for model in models if isinstance(models, list) else [models]:
         model = unwrap_model(model)
         for hf_name, tensor in iter_hf_tensors(model.named_parameters(), spec, ps, layer_offset(model)):
-            tensor = tensor.to(dtype) if dtype is not None else tensor
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((hf_name, tensor))
-            size += nbytes
-    if bucket:
-        yield bucket
+            yield hf_name, tensor.to(dtype) if dtype is not None else tensor

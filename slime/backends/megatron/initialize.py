@@ -22,12 +22,14 @@ import datetime
 import logging
 import os
 import random
+import socket
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from slime.backends.megatron.parallel_state import MegatronParallelState
+from slime.utils.distributed import bind_gloo_to, client_store, master_store
 from slime.utils.errors import SlimeArgError
 from slime.utils.misc import load_function
 
@@ -37,7 +39,7 @@ CPU_SHIM_HOOK = "sim.fake_megatron.cpu_shim.apply"
 
 
 def _check_device(args: Any) -> None:
-    if not torch.cuda.is_available() and not getattr(args, "custom_megatron_init_path", None):
+    if not torch.cuda.is_available() and not args.custom_megatron_init_path:
         raise SlimeArgError(
             f"no CUDA device: to run megatron-core on CPU pass --custom-megatron-init-path {CPU_SHIM_HOOK}"
         )
@@ -46,7 +48,7 @@ def _check_device(args: Any) -> None:
 def run_custom_megatron_init(args: Any) -> None:
     """Call the `--custom-megatron-init-path` hook with `args` (idempotent hooks may be called repeatedly)."""
     _check_device(args)
-    path = getattr(args, "custom_megatron_init_path", None)
+    path = args.custom_megatron_init_path
     if path:
         load_function(path)(args)
 
@@ -58,25 +60,39 @@ def init_distributed(
     master_addr: str,
     master_port: int,
     local_rank: int | None = None,
+    *,
+    node_ip: str | None = None,
+    listen: socket.socket | None = None,
 ) -> None:
-    """`dist.init_process_group` for this rank (no-op if already initialised)."""
+    """`dist.init_process_group` for this rank (no-op if already initialised).
+
+    Rank 0 serves the rendezvous store on `listen` (a socket it bound on its node's address, see
+    `slime/utils/distributed.py`) or else binds `master_addr:master_port`; every gloo group of this process
+    listens on `node_ip` (default: `master_addr` for rank 0, loopback otherwise)."""
     _check_device(args)
     if dist.is_initialized():
         return
-    backend = getattr(args, "distributed_backend", None) or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(local_rank if local_rank is not None else rank % torch.cuda.device_count())
     os.environ["MASTER_ADDR"] = master_addr
     os.environ["MASTER_PORT"] = str(master_port)
-    timeout = datetime.timedelta(minutes=getattr(args, "distributed_timeout_minutes", 10) or 10)
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{master_addr}:{master_port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-    )
+    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    bind_gloo_to(node_ip or (master_addr if rank == 0 else "127.0.0.1"))
+    if rank == 0:
+        store = master_store(listen or _bound(master_addr, master_port), world_size, timeout)
+    else:
+        store = client_store(master_addr, master_port, world_size, timeout)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     logger.info("torch.distributed up: rank %d/%d, backend %s", rank, world_size, backend)
+
+
+def _bound(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    return sock
 
 
 def set_seeds(seed: int) -> None:
@@ -101,15 +117,15 @@ def init_megatron(args: Any) -> MegatronParallelState:
     run_custom_megatron_init(args)
     if not mpu.model_parallel_is_initialized():
         mpu.initialize_model_parallel(
-            tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", 1),
-            pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", 1),
-            virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
-            context_parallel_size=getattr(args, "context_parallel_size", 1),
-            expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
-            expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
-            distributed_timeout_minutes=getattr(args, "distributed_timeout_minutes", 10) or 10,
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+            context_parallel_size=args.context_parallel_size,
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+            distributed_timeout_minutes=args.distributed_timeout_minutes,
         )
-    set_seeds(getattr(args, "seed", 1234))
+    set_seeds(args.seed)
     ps = MegatronParallelState()
     logger.info("megatron parallel state: %r", ps)
     return ps

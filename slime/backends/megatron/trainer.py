@@ -27,6 +27,7 @@ from slime.backends.megatron.hf_weights import export_hf_weights, load_hf_weight
 from slime.backends.megatron.initialize import init_distributed, init_megatron, run_custom_megatron_init
 from slime.backends.megatron.model_provider import build_gpt_model, mask_padded_vocab
 from slime.backends.megatron.packing import PackedBatch, pack_samples
+from slime.utils.misc import load_function
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,17 @@ def _device() -> torch.device:
 
 
 class MegatronTrainer:
-    def __init__(self, args: Namespace, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+    def __init__(
+        self,
+        args: Namespace,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        *,
+        node_ip: str | None = None,
+        listen: Any = None,
+    ) -> None:
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -48,9 +59,7 @@ class MegatronTrainer:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         self.args = args
-        if args.context_parallel_size > 1:
-            raise NotImplementedError("context parallelism needs ring attention, not available in slime yet")
-        init_distributed(args, rank, world_size, master_addr, master_port)
+        init_distributed(args, rank, world_size, master_addr, master_port, node_ip=node_ip, listen=listen)
         self.ps = init_megatron(args)
         self.spec = read_hf_config(args.hf_checkpoint)
         model = build_gpt_model(args, self.spec)
@@ -113,6 +122,17 @@ class MegatronTrainer:
             self.ref_params = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
             if args.ref_load:
                 load_hf_weights(model, args.hf_checkpoint, self.spec, self.ps)
+        # --data-pad-size-multiplier (x TP with sequence parallel: megatron splits the row over TP ranks)
+        self.pad_multiple = args.data_pad_size_multiplier * (self.ps.size("tp") if args.sequence_parallel else 1)
+        self._hooks = {
+            name: load_function(path)
+            for name, path in (
+                ("before_log_prob", args.custom_megatron_before_log_prob_hook_path),
+                ("before_train_step", args.custom_megatron_before_train_step_hook_path),
+                ("postprocess", args.rollout_data_postprocess_path),
+            )
+            if path
+        }
         self.weight_version = 0
         self.train_step_id = 0
         self.offloader: Any = None  # set by the train actor (offload.py); None: never asleep
@@ -123,7 +143,7 @@ class MegatronTrainer:
         prompts = None
         if self.args.share_prompt_prefix and mb["tokens"] and "response_lengths" in mb:
             prompts = [t - r for t, r in zip(mb["total_lengths"], mb["response_lengths"], strict=True)]
-        packed = pack_samples(tokens, device=_device(), prompt_lengths=prompts)
+        packed = pack_samples(tokens, pad_multiple=self.pad_multiple, device=_device(), prompt_lengths=prompts)
         if mb["tokens"] and "total_lengths" in mb and packed.lengths != list(mb["total_lengths"]):
             raise ValueError(f"micro-batch token counts {packed.lengths} differ from total_lengths")
         logits = self.model(packed.tokens, packed.position_ids, None, packed_seq_params=packed.packed_seq_params)
@@ -154,17 +174,46 @@ class MegatronTrainer:
             out.append(mb)
         return out
 
+    def _logprob_batches(self, mbs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], list[tuple[int, int]]]]:
+        """The micro-batches of the no-grad log-prob passes, each with where its samples go back (mb, position).
+
+        By default they are the training micro-batches. `--log-probs-max-tokens-per-gpu` regroups the rank's
+        samples, in order, into batches of at most that many tokens (no activations are kept, so larger batches
+        fit, and siblings of one prompt share its rows more often); a longer sample runs alone."""
+        if self.args.log_probs_max_tokens_per_gpu is None:
+            return [(mb, [(j, p) for p in range(len(mb["tokens"]))]) for j, mb in enumerate(mbs)]
+        cap = self.args.log_probs_max_tokens_per_gpu
+        out: list[tuple[dict[str, Any], list[tuple[int, int]]]] = []
+        cur: dict[str, Any] = {"tokens": [], "total_lengths": [], "response_lengths": []}
+        targets: list[tuple[int, int]] = []
+        for j, mb in enumerate(mbs):
+            for p, (t, n, r) in enumerate(zip(mb["tokens"], mb["total_lengths"], mb["response_lengths"], strict=True)):
+                if cur["tokens"] and sum(cur["total_lengths"]) + n > cap:
+                    out.append((cur, targets))
+                    cur, targets = {"tokens": [], "total_lengths": [], "response_lengths": []}, []
+                cur["tokens"].append(t)
+                cur["total_lengths"].append(n)
+                cur["response_lengths"].append(r)
+                targets.append((j, p))
+        if cur["tokens"]:
+            out.append((cur, targets))
+        return out
+
     @torch.no_grad()
-    def _compute_logprobs(self, mbs: list[dict[str, Any]], key: str) -> None:
-        """Fill `mb[key]` with per-sample response log-probs of the current weights (no grad, same packing)."""
+    def _compute_logprobs(self, mbs: list[dict[str, Any]], key: str, store_prefix: str = "") -> None:
+        """Fill `mb[key]` with per-sample response log-probs of the current weights (no grad)."""
+        if "before_log_prob" in self._hooks:
+            self._hooks["before_log_prob"](self.args, [self.model], store_prefix)
         self.model.eval()
         for mb in mbs:
-            if not mb["tokens"]:
-                mb[key] = []
+            mb[key] = [None] * len(mb["tokens"])
+        for batch, targets in self._logprob_batches(mbs):
+            if not batch["tokens"]:
                 continue
-            logits, packed = self._forward_logits(mb)
-            lp, _ = self._logprobs(logits.float(), mb, packed, with_entropy=False)
-            mb[key] = lp  # computed under no_grad: nothing to detach
+            logits, packed = self._forward_logits(batch)
+            lp, _ = self._logprobs(logits.float(), batch, packed, with_entropy=False)
+            for (j, p), x in zip(targets, lp, strict=True):
+                mbs[j][key][p] = x  # computed under no_grad: nothing to detach
         self.model.train()
 
     @torch.no_grad()
@@ -184,7 +233,7 @@ class MegatronTrainer:
         t0 = time.perf_counter()
         mbs = self._microbatches(data)
         # sft_loss reads only the live forward's log-probs, so the old-policy pass would be a wasted forward.
-        needs_old = getattr(args, "loss_type", "policy_loss") != "sft_loss"
+        needs_old = args.loss_type != "sft_loss"
         recompute = needs_old and (not args.use_rollout_logprobs or args.get_mismatch_metrics)
         if recompute:
             self._compute_logprobs(mbs, "log_probs")
@@ -195,11 +244,13 @@ class MegatronTrainer:
                 ]
         if self.ref_params is not None:
             actor = self._swap_params(self.ref_params)
-            self._compute_logprobs(mbs, "ref_log_probs")
+            self._compute_logprobs(mbs, "ref_log_probs", store_prefix="ref_")
             self._swap_params(actor)
         timings["time/log_probs"] = time.perf_counter() - t0
         for mb in mbs:
             self._prepare_batch(mb)
+        if "postprocess" in self._hooks:
+            self._postprocess(rollout_id, data, mbs)
         metrics: dict[str, float] = {}
         if "rollout_log_probs" in data and recompute:
             # the mean train_rollout_logprob_abs_diff hides one wrong position; the max over trained tokens does not
@@ -211,6 +262,8 @@ class MegatronTrainer:
             step_mbs = mbs[step_start : step_start + n_mb]
             step_start += n_mb
             b = data["global_batch_sizes"][step]
+            if "before_train_step" in self._hooks:
+                self._hooks["before_train_step"](args, rollout_id, step, [self.model], self.optimizer, self.scheduler)
             step_metrics = self._optimizer_step(step_mbs, b)
             num_tokens += sum(sum(mb["total_lengths"]) for mb in step_mbs)
             for k, v in step_metrics.items():
@@ -221,6 +274,15 @@ class MegatronTrainer:
         metrics["train/samples"] = float(sum(len(mb["tokens"]) for mb in mbs))
         metrics["train/steps"] = float(len(data["num_microbatches"]))
         metrics["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        if (
+            self.ref_params is not None
+            and args.ref_update_interval
+            and (rollout_id + 1) % args.ref_update_interval == 0
+        ):
+            # --ref-update-interval: the reference policy becomes the current actor
+            self.ref_params = {
+                n: p.detach().to("cpu", copy=True) for n, p in unwrap_model(self.model).named_parameters()
+            }
         return metrics
 
     def _max_rollout_logprob_diff(self, mbs: list[dict[str, Any]]) -> float:
@@ -255,11 +317,43 @@ class MegatronTrainer:
         for k in ("log_probs", "ref_log_probs"):
             if k in mb:
                 batch[k] = mb[k]
-        if mb["tokens"]:
+        if not mb["tokens"]:
+            mb["advantages"] = mb["returns"] = []
+        elif not self.args.disable_compute_advantages_and_returns:
             compute_advantages_and_returns(self.args, batch, self.ps)
-            mb["advantages"] = batch["advantages"]
-        else:
-            mb["advantages"] = []
+            mb["advantages"], mb["returns"] = batch["advantages"], batch["returns"]
+
+    # per-sample keys a --rollout-data-postprocess-path hook sees, and may replace, on the train side
+    POSTPROCESS_KEYS = (
+        "loss_masks",
+        "rewards",
+        "log_probs",
+        "ref_log_probs",
+        "rollout_log_probs",
+        "advantages",
+        "returns",
+    )
+
+    def _postprocess(self, rollout_id: int, data: dict[str, Any], mbs: list[dict[str, Any]]) -> None:
+        """`--rollout-data-postprocess-path(args, rollout_id, rollout_data)`: this rank's samples as lists in
+        train-data order (slime's signature), after log-probs and advantages; what it writes back is trained on.
+        Group denominators stay those of the rollout-side loss masks."""
+        n = len(data["tokens"])
+        view = {k: list(v) for k, v in data.items() if isinstance(v, list) and len(v) == n}
+        for key in self.POSTPROCESS_KEYS:
+            if all(key in mb for mb in mbs):
+                col: list[Any] = [None] * n
+                for mb in mbs:
+                    for i, x in zip(mb["indices"], mb[key], strict=True):
+                        col[i] = x
+                view[key] = col
+        self._hooks["postprocess"](self.args, rollout_id, view)
+        for key in self.POSTPROCESS_KEYS:
+            if key in view:
+                if len(view[key]) != n:
+                    raise ValueError(f"rollout data postprocess: {key!r} has {len(view[key])} entries, expected {n}")
+                for mb in mbs:
+                    mb[key] = [view[key][i] for i in mb["indices"]]
 
     def _optimizer_step(self, step_mbs: list[dict[str, Any]], global_batch_size: int) -> dict[str, float]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -276,8 +370,13 @@ class MegatronTrainer:
             if not mb["tokens"]:
                 zero = logits.sum() * 0.0  # keeps every parameter in the graph; contributes nothing
                 return zero, torch.tensor(1, dtype=torch.int), {}
+            if "advantages" not in mb and args.loss_type == "policy_loss":
+                raise ValueError(
+                    "no advantages: with --disable-compute-advantages-and-returns a --rollout-data-postprocess-path "
+                    "hook must set rollout_data['advantages']"
+                )
             lp, ent = self._logprobs(logits.float(), mb, packed, with_entropy=True)
-            loss, m = loss_function(args, mb, lp, ent, self.ps)
+            loss, m = loss_function(args, mb, lp, ent, self.ps, logits=logits)
             scaled, num_tokens = scale_for_megatron(
                 loss,
                 num_microbatches=n_mb,
@@ -337,29 +436,18 @@ class MegatronTrainer:
         """One rank per pipeline stage holds full (TP-gathered) weights: DP rank 0, TP rank 0."""
         return self.ps.rank("dp") == 0 and self.ps.rank("tp") == 0 and self.ps.rank("cp") == 0
 
-    def export_hf(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """HF-named full tensors of this stage, in buckets (a TP collective: every TP rank must iterate)."""
+    def export_hf(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named full tensors of this stage (a TP collective: every TP rank must iterate), in the engines'
+        dtype. While asleep (--offload-train) the device memory is paused: they come from the host copy."""
         dtype = torch.bfloat16 if self.args.bf16 else None
         if self.offloader is not None and self.offloader.asleep and self.offloader.param_backup is not None:
-            yield from self._export_from_host_copy(bucket_bytes, dtype)  # device memory is paused (--offload-train)
+            from slime.backends.megatron.hf_weights import iter_hf_tensors, layer_offset
+
+            named = self.offloader.named_params_for_export(unwrap_model(self.model))
+            for name, t in iter_hf_tensors(named, self.spec, self.ps, layer_offset(self.model)):
+                yield name, t.to(dtype) if dtype is not None else t
             return
-        yield from export_hf_weights([self.model], self.spec, self.ps, bucket_bytes=bucket_bytes, dtype=dtype)
-
-    def _export_from_host_copy(self, bucket_bytes: int, dtype: torch.dtype | None):
-        from slime.backends.megatron.hf_weights import iter_hf_tensors, layer_offset
-
-        named = self.offloader.named_params_for_export(unwrap_model(self.model))
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, t in iter_hf_tensors(named, self.spec, self.ps, layer_offset(self.model)):
-            t = t.to(dtype) if dtype is not None else t
-            if bucket and size + t.numel() * t.element_size() > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, t))
-            size += t.numel() * t.element_size()
-        if bucket:
-            yield bucket
+        yield from export_hf_weights([self.model], self.spec, self.ps, dtype=dtype)
 
     def save_hf(self, path: str) -> None:
         """`--save-hf`: an HF checkpoint `transformers` loads (config + tokenizer copied from --hf-checkpoint).
@@ -385,7 +473,7 @@ class MegatronTrainer:
         dist.barrier()
         pp, pp_size = ps.rank("pp"), ps.size("pp")
         shard = f"model-{pp + 1:05d}-of-{pp_size:05d}.safetensors"
-        tensors = {n: t.detach().to("cpu").contiguous().clone() for b in self.export_hf(1 << 62) for n, t in b}
+        tensors = {n: t.detach().to("cpu").contiguous().clone() for n, t in self.export_hf()}
         if self.is_weight_sender():
             save_file(tensors, os.path.join(tmp, shard), metadata={"format": "pt"})
         dist.barrier()

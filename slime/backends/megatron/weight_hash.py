@@ -13,7 +13,7 @@ check is SGLang's snapshot → reset_tensors → update → compare sequence on 
 
 Use (the `--check-weight-update-equal` wiring)::
 
-    sums = trainer_weight_checksums(trainer, bucket_bytes)       # every TP rank iterates; senders get a dict
+    sums = trainer_weight_checksums(trainer)                     # every TP rank iterates; senders get a dict
     if sums is not None:
         check_engines(engine_urls, sums)                        # raises WeightMismatch naming the tensors
 
@@ -28,8 +28,9 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-import httpx
 import torch
+
+from slime.backends.sglang.client import SGLangClient, SGLangError
 
 logger = logging.getLogger(__name__)
 
@@ -74,14 +75,12 @@ def hf_weight_checksums(
     return out
 
 
-def trainer_weight_checksums(
-    trainer: Any, bucket_bytes: int = 512 * 1024**2, dtype: torch.dtype | None = None
-) -> dict[str, str] | None:
+def trainer_weight_checksums(trainer: Any, dtype: torch.dtype | None = None) -> dict[str, str] | None:
     """Checksums of exactly the tensors `MegatronTrainer.export_hf` sends; None on ranks that send nothing.
 
     A TP collective like the export itself: every rank of the stage must call it.
     """
-    named = (item for bucket in trainer.export_hf(bucket_bytes) for item in bucket)
+    named = trainer.export_hf()
     if not trainer.is_weight_sender():
         for _ in named:  # take part in the TP gathers only
             pass
@@ -89,23 +88,13 @@ def trainer_weight_checksums(
     return hf_weight_checksums(named, dtype=dtype)
 
 
-def fetch_engine_checksums(
-    url: str, *, client: httpx.Client | None = None, skip_tensor_list: list[str] | None = None
-) -> dict[str, str]:
-    """`POST {url}/weights_checker {"action": "checksum"}`; the per-tensor checksums of a TP-1 engine."""
-    body: dict[str, Any] = {"action": "checksum"}
-    if skip_tensor_list:
-        body["skip_tensor_list"] = skip_tensor_list
-    own = client is None
-    client = client or httpx.Client(timeout=120.0)
+def fetch_engine_checksums(url: str, skip_tensor_list: list[str] | None = None) -> dict[str, str]:
+    """The per-tensor checksums of a TP-1 engine (`/weights_checker {"action": "checksum"}`)."""
     try:
-        r = client.post(f"{url.rstrip('/')}/weights_checker", json=body)
-    finally:
-        if own:
-            client.close()
-    data = r.json() if r.content else {}
-    if r.status_code != 200 or not data.get("success"):
-        raise WeightMismatch(f"{url}/weights_checker answered {r.status_code}: {str(data)[:300]}")
+        with SGLangClient(url, timeout=120.0) as client:
+            data = client.weight_checksums(skip_tensor_list)
+    except SGLangError as e:
+        raise WeightMismatch(str(e)) from e
     ranks = data.get("ranks") or []
     if len(ranks) != 1:
         raise WeightMismatch(f"{url}: {len(ranks)} TP ranks; per-tensor checksums compare only at engine TP 1")
@@ -126,11 +115,10 @@ def compare_checksums(trainer: dict[str, str], engine: dict[str, str]) -> list[s
 
 def check_engines(engine_urls: list[str], trainer_checksums: dict[str, str]) -> dict[str, float]:
     """Raise `WeightMismatch` unless every engine holds exactly the trainer's tensors; returns metrics."""
-    with httpx.Client(timeout=120.0) as client:
-        for url in engine_urls:
-            problems = compare_checksums(trainer_checksums, fetch_engine_checksums(url, client=client))
-            if problems:
-                raise WeightMismatch(f"{url}: {len(problems)} tensors differ: " + "; ".join(problems[:5]))
+    for url in engine_urls:
+        problems = compare_checksums(trainer_checksums, fetch_engine_checksums(url))
+        if problems:
+            raise WeightMismatch(f"{url}: {len(problems)} tensors differ: " + "; ".join(problems[:5]))
     logger.info(
         "weights equal on %d engines (%d tensors, %s)",
         len(engine_urls),

@@ -1,12 +1,14 @@
-"""Colocated weight sync through `/update_weights_from_tensor` (spec §1.5), as SGLang 0.5.23 receives it.
+"""Colocated weight sync through `/update_weights_from_tensor`: the engines read the trainer's tensors in place.
 
-Order on every engine of the updatable model: pause → flush → begin_weight_update → load bucket by bucket →
-end_weight_update → flush → continue (SGLang 0.5.23 refuses loads outside a begin/end weight-update session:
-managers/scheduler_components/weight_updater.py). Tensors are
-flattened into one 1-D bucket per dtype of at most `--update-weight-buffer-size` bytes and pickled with
-torch's multiprocessing reductions: on CPU the storage moves to named shared memory (`file_system`
-strategy) and only the name travels; on GPU the same pickling yields CUDA IPC handles. The sender keeps each
-bucket alive until every engine has answered, because the receiver copies out of the shared storage.
+Each engine receives, per bucket, one serialized payload per GPU it spans (SGLang hands entry i to its TP
+rank i): entry i comes from the train rank on that same GPU, so a CUDA IPC handle is always opened on the
+device (and node) that holds it. On CPU the same pickling moves the bucket to named shared memory (torch's
+`file_system` strategy) and only the name travels. The train ranks of one engine gather their payloads to
+the engine's first GPU's rank, which posts them; every rank keeps its bucket alive until the engine answered,
+because the engine copies out of the shared storage. GPUs of an engine that no train rank occupies (rollout
+larger than training) get the first rank's payload.
+
+The session around the buckets (pause, flush, begin ... end, flush, continue) is `slime/backends/sglang/client.py`.
 """
 
 from __future__ import annotations
@@ -15,29 +17,20 @@ import base64
 import io
 import logging
 import pickle
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-import httpx
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.multiprocessing.reductions  # noqa: F401 - registers tensor reductions with ForkingPickler
 
+from slime.backends.megatron.weight_buckets import bucket_nbytes, buckets_by_dtype, flatten
+from slime.backends.sglang.client import SGLangClient, begin_weight_sync, end_weight_sync
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class FlattenedTensorMetadata:
-    """Field-for-field SGLang's `FlattenedTensorMetadata` (python/sglang/srt/weight_sync/tensor_bucket.py)."""
-
-    name: str
-    shape: torch.Size
-    dtype: torch.dtype
-    start_idx: int
-    end_idx: int
-    numel: int
 
 
 def serialize(obj: Any) -> str:
@@ -48,78 +41,69 @@ def serialize(obj: Any) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def flattened_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterator[dict[str, Any]]:
-    """Group tensors by dtype into flat buckets of at most `bucket_bytes` (a larger tensor gets its own)."""
-    pending: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
-    sizes: dict[torch.dtype, int] = {}
+@dataclass(frozen=True)
+class ColocatedEngine:
+    """A receiving engine and the logical GPUs it spans (train rank r sits on logical GPU r when colocated)."""
 
-    def flush(dtype: torch.dtype) -> dict[str, Any]:
-        items = pending.pop(dtype)
-        sizes.pop(dtype)
-        flat = torch.cat([t.detach().reshape(-1) for _, t in items])
-        meta, start = [], 0
-        for name, t in items:
-            meta.append(FlattenedTensorMetadata(name, t.shape, t.dtype, start, start + t.numel(), t.numel()))
-            start += t.numel()
-        return {"flattened_tensor": flat, "metadata": meta}
+    url: str
+    base_gpu: int
+    num_gpus: int
 
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if tensor.dtype in pending and sizes[tensor.dtype] + nbytes > bucket_bytes:
-            yield flush(tensor.dtype)
-        pending.setdefault(tensor.dtype, []).append((name, tensor))
-        sizes[tensor.dtype] = sizes.get(tensor.dtype, 0) + nbytes
-    for dtype in list(pending):
-        yield flush(dtype)
+    def ranks(self, world_size: int) -> list[int]:
+        """Train ranks on this engine's GPUs; rank 0 stands in when none is (the engine lies past the trainer)."""
+        own = [r for r in range(self.base_gpu, self.base_gpu + self.num_gpus) if r < world_size]
+        return own or [0]
 
 
 class TensorWeightSync:
-    """Pushes full HF-named weights to every engine URL; one instance per sending train rank."""
+    """One per train rank. Every rank exports and takes part; leaders (an engine's first rank) post."""
 
-    def __init__(self, bucket_bytes: int = 512 * 1024**2, timeout: float = 600.0) -> None:
+    def __init__(self, engines: list[ColocatedEngine] | list[str], bucket_bytes: int) -> None:
+        """`engines` may be plain URLs when one process sends alone (tools, tests): each gets one payload."""
+        ready = dist.is_available() and dist.is_initialized()
+        self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if ready else (0, 1)
+        engines = [ColocatedEngine(e, 0, 1) if isinstance(e, str) else e for e in engines]
+        self.engines = engines
         self.bucket_bytes = bucket_bytes
-        self.client = httpx.Client(timeout=timeout)
+        self.groups: dict[ColocatedEngine, Any] = {}
+        for e in engines:  # every rank creates every group, in the same order (a collective)
+            ranks = e.ranks(self.world_size)
+            group = dist.new_group(ranks, backend="gloo") if len(ranks) > 1 else None
+            if self.rank in ranks:
+                self.groups[e] = group
+        self.clients = {e: SGLangClient(e.url) for e in engines if self._leads(e)}
 
-    def _post(self, url: str, endpoint: str, body: dict[str, Any] | None = None) -> Any:
-        r = self.client.post(f"{url}{endpoint}", json=body or {})
-        if r.status_code != 200:
-            raise RuntimeError(f"{url}{endpoint} answered {r.status_code}: {r.text[:300]}")
-        try:
-            return r.json() if r.content else None
-        except ValueError:  # several SGLang control endpoints answer plain text
-            return r.text
+    def _leads(self, e: ColocatedEngine) -> bool:
+        return e.ranks(self.world_size)[0] == self.rank
 
-    def sync(
-        self, engine_urls: list[str], named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int
-    ) -> dict[str, float]:
-        """pause → flush → begin → load → end → flush → continue on every engine; returns bytes/buckets sent."""
-        for url in engine_urls:
-            self._post(url, "/pause_generation")
-        for url in engine_urls:
-            self._post(url, "/flush_cache")
-            self._post(url, "/begin_weight_update", {"selector": "all"})
+    def close(self) -> None:
+        for c in self.clients.values():
+            c.close()
+
+    def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int) -> dict[str, float]:
+        """Every rank calls this with the same stream of HF-named tensors; returns what the leaders posted."""
+        clients = list(self.clients.values())
+        begin_weight_sync(clients)
         num_bytes = num_buckets = 0
-        for bucket in flattened_buckets(named_tensors, self.bucket_bytes):
-            payload = serialize(bucket)
-            body = {
-                "serialized_named_tensors": [payload],
-                "load_format": "flattened_bucket",
-                "flush_cache": False,
-                "weight_version": str(weight_version),
-            }
-            for url in engine_urls:
-                out = self._post(url, "/update_weights_from_tensor", body)
-                if isinstance(out, dict) and out.get("success") is False:
-                    raise RuntimeError(f"{url} rejected the weight update: {out.get('message')}")
-            num_bytes += bucket["flattened_tensor"].numel() * bucket["flattened_tensor"].element_size()
+        for bucket in buckets_by_dtype(named_tensors, self.bucket_bytes):
+            flat, meta = flatten(bucket)
+            payload = serialize({"flattened_tensor": flat, "metadata": meta}) if self.groups else None
+            for e, group in self.groups.items():
+                ranks = e.ranks(self.world_size)
+                gathered: list[Any] = [payload]
+                if group is not None:
+                    gathered = [None] * len(ranks) if self._leads(e) else None  # type: ignore[assignment]
+                    dist.gather_object(payload, gathered, dst=ranks[0], group=group)
+                if self._leads(e):
+                    entries = gathered + [gathered[0]] * (e.num_gpus - len(gathered))
+                    self.clients[e].update_weights_from_tensor(entries, str(weight_version))
+                    num_bytes += bucket_nbytes(bucket)
+                if group is not None:
+                    dist.barrier(group=group)  # the engine has copied every rank's bucket: they may go
             num_buckets += 1
-            del bucket, payload  # shared storage may be released only after every engine copied it
-        for url in engine_urls:
-            self._post(url, "/end_weight_update")
-            self._post(url, "/flush_cache")
-            self._post(url, "/continue_generation")
-        logger.info("weight version %d: %d buckets, %.1f MiB to %d engines", weight_version, num_buckets,
-                    num_bytes / 2**20, len(engine_urls))  # fmt: skip
+            del flat, payload
+        end_weight_sync(clients)
+        if clients:
+            logger.info("weight version %d: %d buckets, %.1f MiB to %d engine(s)", weight_version, num_buckets,
+                        num_bytes / 2**20, len(clients))  # fmt: skip
         return {"weight_sync/bytes": float(num_bytes), "weight_sync/buckets": float(num_buckets)}

@@ -1,4 +1,4 @@
-"""Disaggregated weight sync (spec §1.5): the trainer broadcasts weights to engines over a process group.
+"""Disaggregated weight sync: the trainer broadcasts weights to engines over a process group.
 
 Why a process group and not HTTP payloads: when engines sit on their own GPUs the weights must cross devices,
 and NCCL broadcast (gloo on CPU) is the fast path SGLang offers for it. Per pipeline stage, the rank with
@@ -28,15 +28,19 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import torch
 import torch.distributed as dist
+
+from slime.backends.megatron.weight_buckets import buckets_by_dtype
+from slime.backends.sglang.client import SGLangClient
+from slime.utils.distributed import listen_socket, master_store
 
 logger = logging.getLogger(__name__)
 
@@ -65,19 +69,19 @@ def group_name(pp_rank: int) -> str:
 
 
 def new_weight_update_group(
-    backend: str, master_address: str, master_port: int, world_size: int, name: str, timeout_s: float = 600.0
+    backend: str, sock: socket.socket, world_size: int, name: str, timeout_s: float = 600.0
 ) -> Any:
-    """Rank 0 of a standalone process group next to the default one (what SGLang's engines join).
+    """Rank 0 of a standalone process group next to the default one (what SGLang's engines join), its store
+    served on `sock` (listening on this node's address).
 
-    torch's public API allows one default group per process; a second, independent world needs the
-    rendezvous and the group constructor directly, as SGLang's `init_custom_process_group` does.
+    torch's public API allows one default group per process; a second, independent world needs the store and
+    the group constructor directly, as SGLang's `init_custom_process_group` does.
     """
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, size = next(rendezvous(f"tcp://{master_address}:{master_port}", 0, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    store = PrefixStore(name, store)
+    store = PrefixStore(name, master_store(sock, world_size, timeout))
+    rank, size = 0, world_size
     pg, _ = _new_process_group_helper(size, rank, [], Backend(backend), store, group_name=name, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(size)}  # lets dist.broadcast(group=pg) map ranks
     return pg
@@ -86,22 +90,6 @@ def new_weight_update_group(
 def dtype_name(dtype: torch.dtype) -> str:
     """SGLang reads dtypes with `getattr(torch, name)`."""
     return str(dtype).removeprefix("torch.")
-
-
-def flat_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Lists of same-dtype tensors of at most `bucket_bytes` (a larger tensor travels alone)."""
-    pending: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
-    sizes: dict[torch.dtype, int] = {}
-    for name, t in named_tensors:
-        nbytes = t.numel() * t.element_size()
-        if t.dtype in pending and sizes[t.dtype] + nbytes > bucket_bytes:
-            yield pending.pop(t.dtype)
-            sizes.pop(t.dtype)
-        pending.setdefault(t.dtype, []).append((name, t))
-        sizes[t.dtype] = sizes.get(t.dtype, 0) + nbytes
-    yield from pending.values()
 
 
 def _flatten(bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> torch.Tensor:
@@ -129,26 +117,19 @@ class DistributedWeightSync:
         )
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
-        self.client = httpx.Client(timeout=timeout_s)
         self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="weight-sync-http")
+        self.clients: dict[str, SGLangClient] = {}
         self.engines: tuple[EngineTarget, ...] = ()
         self.group: Any = None
 
-    # ---- HTTP ---------------------------------------------------------------------------------------------
-    def _post(self, url: str, endpoint: str, body: dict[str, Any] | None = None) -> Any:
-        r = self.client.post(f"{url}{endpoint}", json=body or {})
-        try:
-            data = r.json() if r.content else None
-        except ValueError:
-            data = r.text
-        if r.status_code != 200 or (isinstance(data, dict) and data.get("success") is False):
-            raise RuntimeError(f"{url}{endpoint} answered {r.status_code}: {str(data)[:300]}")
-        return data
+    def _client(self, url: str) -> SGLangClient:
+        if url not in self.clients:
+            self.clients[url] = SGLangClient(url, timeout=self.timeout_s)
+        return self.clients[url]
 
-    def _post_all(
-        self, engines: Iterable[EngineTarget], endpoint: str, body: dict[str, Any] | None = None
-    ) -> list[Future]:
-        return [self.pool.submit(self._post, e.url, endpoint, body) for e in engines]
+    def _post_all(self, engines: Iterable[EngineTarget], call: str, *args: Any) -> list[Future]:
+        """`SGLangClient.<call>(*args)` on every engine at once (an engine answers only after the broadcast)."""
+        return [self.pool.submit(getattr(self._client(e.url), call), *args) for e in engines]
 
     def _wait_with(self, work: Any, futures: list[Future]) -> None:
         """Wait for a collective while watching the engines' answers: an engine that fails before joining
@@ -168,9 +149,8 @@ class DistributedWeightSync:
         """The engine's own word on how many ranks it joins with (its TP size; SGLang joins as rank_offset +
         tp_rank), which wins over the deployment plan's GPU count if they disagree."""
         try:
-            r = self.client.get(f"{engine.url}/get_server_info")
-            tp = int(r.json().get("tp_size") or 0) if r.status_code == 200 else 0
-        except (httpx.HTTPError, ValueError, TypeError):
+            tp = int(self._client(engine.url).server_info().get("tp_size") or 0)
+        except Exception:  # noqa: BLE001 - an engine without the field: trust the plan
             tp = 0
         if tp and tp != engine.num_gpus:
             logger.warning("engine %s reports tp_size %d, the plan says %d GPUs: using %d", engine.url, tp,
@@ -184,29 +164,23 @@ class DistributedWeightSync:
         if self.group is not None and engines_t == self.engines:
             return {}
         self.disconnect()
-        from slime.utils.http_utils import find_free_port
-
         offsets, world_size = rank_offsets(list(engines_t))
-        port = find_free_port(host=self.master_address)
-        bodies = [
-            {
-                "master_address": self.master_address,
-                "master_port": port,
-                "rank_offset": off,
-                "world_size": world_size,
-                "group_name": self.group_name,
-                "backend": self.backend,
-            }
-            for off in offsets
-        ]
+        sock = listen_socket(self.master_address)  # held until the store takes it: no one else can bind the port
+        port = sock.getsockname()[1]
         futures = [
-            self.pool.submit(self._post, e.url, "/init_weights_update_group", b)
-            for e, b in zip(engines_t, bodies, strict=True)
+            self.pool.submit(
+                self._client(e.url).init_weights_update_group,
+                self.master_address,
+                port,
+                off,
+                world_size,
+                self.group_name,
+                self.backend,
+            )  # fmt: skip
+            for e, off in zip(engines_t, offsets, strict=True)
         ]
         try:
-            self.group = new_weight_update_group(
-                self.backend, self.master_address, port, world_size, self.group_name, self.timeout_s
-            )
+            self.group = new_weight_update_group(self.backend, sock, world_size, self.group_name, self.timeout_s)
         finally:
             for f in futures:
                 f.result()  # surfaces an engine's refusal (and waits for every join)
@@ -222,7 +196,7 @@ class DistributedWeightSync:
         if self.group is None:
             self.engines = ()
             return
-        for f in self._post_all(self.engines, "/destroy_weights_update_group", {"group_name": self.group_name}):
+        for f in self._post_all(self.engines, "destroy_weights_update_group", self.group_name):
             try:
                 f.result()
             except Exception as e:  # noqa: BLE001 - a dead engine has no group left to destroy
@@ -240,18 +214,16 @@ class DistributedWeightSync:
         if self.group is None:
             raise RuntimeError("DistributedWeightSync.send before connect")
         num_bytes = num_buckets = 0
-        for bucket in flat_buckets(named_tensors, self.bucket_bytes):
-            body = {
-                "names": [n for n, _ in bucket],
-                "dtypes": [dtype_name(t.dtype) for _, t in bucket],
-                "shapes": [list(t.shape) for _, t in bucket],
-                "group_name": self.group_name,
-                "flush_cache": False,
-                "weight_version": str(weight_version),
-                "load_format": "flattened_bucket",
-            }
+        for bucket in buckets_by_dtype(named_tensors, self.bucket_bytes):
+            meta = (
+                [n for n, _ in bucket],
+                [dtype_name(t.dtype) for _, t in bucket],
+                [list(t.shape) for _, t in bucket],
+                self.group_name,
+                str(weight_version),
+            )
             flat = _flatten(bucket, self.device)
-            futures = self._post_all(self.engines, "/update_weights_from_distributed", body)
+            futures = self._post_all(self.engines, "update_weights_from_distributed", *meta)
             work = dist.broadcast(flat, group=self.group, group_src=0, async_op=True)
             self._wait_with(work, futures)
             for f in futures:
@@ -263,35 +235,5 @@ class DistributedWeightSync:
     def close(self) -> None:
         self.disconnect()
         self.pool.shutdown(wait=False)
-        self.client.close()
-
-
-class EngineSession:
-    """pause → flush → begin_weight_update … end_weight_update → flush → continue, on every engine.
-
-    Called once per sync by one rank (global rank 0) around all stages' broadcasts: with PP > 1 several
-    senders share the engines, and SGLang allows one open weight-update session per engine.
-    """
-
-    def __init__(self, urls: list[str], timeout_s: float = 600.0) -> None:
-        self.urls = urls
-        self.client = httpx.Client(timeout=timeout_s)
-
-    def _post(self, url: str, endpoint: str, body: dict[str, Any] | None = None) -> None:
-        r = self.client.post(f"{url}{endpoint}", json=body or {})
-        if r.status_code != 200:
-            raise RuntimeError(f"{url}{endpoint} answered {r.status_code}: {r.text[:300]}")
-
-    def begin(self) -> None:
-        for url in self.urls:
-            self._post(url, "/pause_generation")
-        for url in self.urls:
-            self._post(url, "/flush_cache")
-            self._post(url, "/begin_weight_update", {"selector": "all"})
-
-    def end(self) -> None:
-        for url in self.urls:
-            self._post(url, "/end_weight_update")
-            self._post(url, "/flush_cache")
-            self._post(url, "/continue_generation")
-        self.client.close()
+        for c in self.clients.values():
+            c.close()

@@ -93,14 +93,14 @@ class DeploymentPlan:
 
 
 def _actor_gpus(args: Namespace) -> int:
-    if getattr(args, "debug_rollout_only", False):
+    if args.debug_rollout_only:
         return 0  # spec §3: engine base GPU computed with zero actor GPUs
     return args.actor_num_nodes * args.actor_num_gpus_per_node
 
 
 def rollout_offset(args: Namespace) -> int:
     """Where rollout GPUs start in the placement group (spec §1.2)."""
-    if getattr(args, "debug_rollout_only", False) or getattr(args, "colocate", False):
+    if args.debug_rollout_only or args.colocate:
         return 0
     return _actor_gpus(args)
 
@@ -109,7 +109,7 @@ def build_plan(args: Namespace, config: SGLangConfig, host: str = "127.0.0.1") -
     """Engines per group in YAML order with cumulative GPU offsets; one router per model."""
     offset = rollout_offset(args)
     actor = _actor_gpus(args)
-    offload = bool(getattr(args, "offload_rollout", False))
+    offload = bool(args.offload_rollout)
     gpn = args.num_gpus_per_node
     groups: list[GroupPlan] = []
     engines: list[EnginePlan] = []
@@ -140,7 +140,7 @@ def build_plan(args: Namespace, config: SGLangConfig, host: str = "127.0.0.1") -
                 )  # fmt: skip
             cursor += g.num_gpus
     routers = []
-    user_router = bool(getattr(args, "sglang_router_ip", None) and getattr(args, "sglang_router_port", None))
+    user_router = bool(args.sglang_router_ip and args.sglang_router_port)
     for i, model in enumerate(config.models):
         reuse = user_router and i == 0
         port = int(args.sglang_router_port) if reuse else ROUTER_PORT_BASE + ROUTER_PORT_STRIDE * i

@@ -1,43 +1,32 @@
 """`SGLangEngine`: a thin Ray actor that owns one inference server process (real SGLang or `sim.fake_sglang`).
 
-The actor sits on the engine's first placement-group bundle (0.2 GPU) so the scheduler accounts for it like
-any other GPU consumer; the server itself is a child process whose argv comes from `build_server_argv`. The
-child gets PR_SET_PDEATHSIG so it cannot outlive a killed actor.
+The actor sits on a placement-group bundle (0.2 GPU) so the scheduler accounts for it like any other GPU
+consumer; the server is a child process (`slime/utils/process.py`: its own process group, dies with the actor).
+It binds the address of the Ray node it runs on, so engines on other nodes are reachable. An engine larger
+than a node is one actor per node: node rank 0 serves HTTP and is "the engine"; the others join it through
+`--dist-init-addr` (SGLang's multi-node launch) and serve nothing. Control calls go through `SGLangClient`.
 """
 
 from __future__ import annotations
 
-import ctypes
+import importlib.util
 import logging
 import os
-import signal
-import subprocess
-import sys
-import time
 from argparse import Namespace
 from typing import Any
 
-import httpx
-
+from slime.backends.sglang.client import SGLangClient
 from slime.backends.sglang.server_args import build_server_argv
+from slime.utils.http_utils import find_free_port, node_address
+from slime.utils.process import ManagedProcess, log_tail
 
 logger = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    os.setsid()
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def resolve_backend(args: Namespace) -> str:
     """`--rollout-engine auto` picks real SGLang only where it can run (installed and CUDA present)."""
     if args.rollout_engine != "auto":
         return args.rollout_engine
-    import importlib.util
-
     import torch
 
     return "sglang" if importlib.util.find_spec("sglang") is not None and torch.cuda.is_available() else "sim"
@@ -55,6 +44,8 @@ class SGLangEngine:
         overrides: dict[str, Any] | None = None,
         model_path: str | None = None,
         log_dir: str | None = None,
+        nnodes: int = 1,
+        node_rank: int = 0,
     ) -> None:
         self.args = args
         self.rank = rank
@@ -64,150 +55,77 @@ class SGLangEngine:
         self.overrides = overrides
         self.model_path = model_path
         self.log_dir = log_dir
-        self.proc: subprocess.Popen | None = None
-        self.host = "127.0.0.1"
+        self.nnodes = nnodes
+        self.node_rank = node_rank
+        self.host = node_address()
         self.port: int | None = None
-
-    def start(self, timeout: float = 600.0) -> str:
-        """Launch the server and wait until `/health_generate` answers; returns its URL."""
-        from slime.utils.http_utils import find_free_port
-
-        self.port = find_free_port()
-        backend = resolve_backend(self.args)
-        argv = build_server_argv(
-            self.args,
-            backend=backend,
-            host=self.host,
-            port=self.port,
-            base_gpu_id=self.base_gpu_id,
-            num_gpus=self.num_gpus,
-            rank=self.rank,
-            nccl_port=find_free_port(),
-            worker_type=self.worker_type,
-            overrides=self.overrides,
-            model_path=self.model_path,
-        )
-        log_path = None
-        out = subprocess.DEVNULL
-        if self.log_dir:
-            os.makedirs(self.log_dir, exist_ok=True)
-            log_path = os.path.join(self.log_dir, f"engine_{self.rank}.log")
-            out = open(log_path, "ab")  # noqa: SIM115 - handed to the child for its lifetime
-        logger.info("engine %d: %s", self.rank, " ".join(argv))
-        self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                tail = _tail(log_path)
-                raise RuntimeError(f"engine {self.rank} exited with code {self.proc.returncode} during start-up{tail}")
-            try:
-                if httpx.get(f"{self.url}/health_generate", timeout=30).status_code == 200:
-                    return self.url
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.shutdown()
-        raise TimeoutError(f"engine {self.rank} did not become healthy within {timeout:.0f}s{_tail(log_path)}")
+        self.bootstrap_port: int | None = None
+        self.process: ManagedProcess | None = None
+        self.client: SGLangClient | None = None
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
+    @property
+    def name(self) -> str:
+        return f"engine {self.rank}" + (f" node {self.node_rank}/{self.nnodes}" if self.nnodes > 1 else "")
 
-    def _post(self, endpoint: str, payload: dict[str, Any] | None = None, timeout: float = 600) -> Any:
-        r = httpx.post(f"{self.url}{endpoint}", json=payload or {}, timeout=timeout)
-        r.raise_for_status()
-        return r.json() if r.content else None
+    def dist_init_address(self) -> str:
+        """Node rank 0 of a multi-node engine: where the other nodes join it (an address on this node)."""
+        return f"{self.host}:{find_free_port(host=self.host)}"
+
+    def start(self, dist_init_addr: str | None = None, timeout: float = 600.0) -> str | None:
+        """Launch the server; node rank 0 returns its URL once `/health_generate` answers (which, for a multi-node
+        engine, needs every node joined), the other node ranks return None once their process runs."""
+        self.port = find_free_port(host=self.host)
+        if self.worker_type == "prefill" and self.node_rank == 0:
+            self.bootstrap_port = find_free_port(host=self.host)
+        argv = build_server_argv(
+            self.args, backend=resolve_backend(self.args), host=self.host, port=self.port,
+            base_gpu_id=self.base_gpu_id, num_gpus=self.num_gpus, rank=self.rank,
+            nccl_port=find_free_port(host=self.host), worker_type=self.worker_type,
+            bootstrap_port=self.bootstrap_port, overrides=self.overrides, model_path=self.model_path,
+            nnodes=self.nnodes, node_rank=self.node_rank, dist_init_addr=dist_init_addr,
+        )  # fmt: skip
+        suffix = f"_node{self.node_rank}" if self.nnodes > 1 else ""
+        log_path = os.path.join(self.log_dir, f"engine_{self.rank}{suffix}.log") if self.log_dir else None
+        self.process = ManagedProcess.start(argv, name=self.name, log_path=log_path)
+        if self.node_rank > 0:
+            return None
+        self.client = SGLangClient(self.url)
+        self.process.wait_healthy(self.client.healthy, timeout, interval=0.3)
+        return self.url
+
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.alive
+
+    def log_tail(self) -> str:
+        return log_tail(self.process.log_path if self.process else None)
+
+    def get_bootstrap_port(self) -> int | None:
+        return self.bootstrap_port
 
     def health_generate(self) -> bool:
-        try:
-            return httpx.get(f"{self.url}/health_generate", timeout=self.args.rollout_health_check_timeout).is_success
-        except httpx.HTTPError:
-            return False
+        return self.client is not None and self.client.healthy(timeout=self.args.rollout_health_check_timeout)
 
-    def flush_cache(self, timeout: float = 60.0) -> None:
-        """SGLang refuses to flush (HTTP 400) while requests are running or waiting: retry until it is idle."""
-        deadline = time.monotonic() + timeout
-        while True:
-            r = httpx.post(f"{self.url}/flush_cache", timeout=timeout)
-            if r.status_code == 200:
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"engine {self.rank}: /flush_cache still refused after {timeout:.0f}s: {r.text[:200]}"
-                )
-            time.sleep(0.5)
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self.client.release_memory_occupation(tags)
 
-    def pause_generation(self) -> Any:
-        return self._post("/pause_generation")
-
-    def continue_generation(self) -> Any:
-        return self._post("/continue_generation")
-
-    def get_weight_version(self) -> Any:
-        return httpx.get(f"{self.url}/get_weight_version", timeout=30).json()
-
-    def update_weights_from_tensor(self, payload: dict[str, Any]) -> Any:
-        return self._post("/update_weights_from_tensor", payload)
-
-    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> Any:
-        return self._post("/update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version})
-
-    # ---- distributed weight update (io_struct.py of SGLang 0.5.23; see weight_sync_distributed.py) ---------
-    def init_weights_update_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
-        backend: str = "nccl",
-    ) -> Any:  # fmt: skip
-        body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-                "world_size": world_size, "group_name": group_name, "backend": backend}  # fmt: skip
-        return self._post("/init_weights_update_group", body)
-
-    def destroy_weights_update_group(self, group_name: str) -> Any:
-        return self._post("/destroy_weights_update_group", {"group_name": group_name})
-
-    def update_weights_from_distributed(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
-        weight_version: str | None = None, load_format: str | None = None, flush_cache: bool = False,
-    ) -> Any:  # fmt: skip
-        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-                "weight_version": weight_version, "load_format": load_format, "flush_cache": flush_cache}  # fmt: skip
-        return self._post("/update_weights_from_distributed", body)
-
-    def begin_weight_update(self) -> Any:
-        return self._post("/begin_weight_update", {"selector": "all"})
-
-    def end_weight_update(self) -> Any:
-        return self._post("/end_weight_update")
-
-    def check_weights(self, action: str = "checksum") -> Any:
-        return self._post("/weights_checker", {"action": action})
-
-    def release_memory_occupation(self, tags: list[str] | None = None) -> Any:
-        self.flush_cache()
-        return self._post("/release_memory_occupation", {"tags": tags})
-
-    def resume_memory_occupation(self, tags: list[str] | None = None) -> Any:
-        return self._post("/resume_memory_occupation", {"tags": tags})
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self.client.resume_memory_occupation(tags)
 
     def shutdown(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=15)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=5)
+        if self.process is not None:
+            self.process.stop()
+        if self.client is not None:
+            self.client.close()
 
-
-def _tail(path: str | None, n: int = 20) -> str:
-    if not path or not os.path.exists(path):
-        return ""
-    with open(path, errors="replace") as f:
-        lines = f.readlines()[-n:]
-    return "; last log lines:\n" + "".join(lines)
+    def kill_server(self) -> None:
+        """SIGKILL the server's process group: in-flight requests fail at once (and are retried elsewhere)
+        instead of coming back as aborted partial answers, which a graceful stop would produce."""
+        if self.process is not None:
+            self.process.kill()

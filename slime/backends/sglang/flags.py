@@ -327,7 +327,7 @@ def sglang_overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     for dest in sglang_options_by_dest():
         if dest in SKIPPED_SGLANG_FLAGS:
             continue
-        value = getattr(args, f"sglang_{dest}", None)
+        value = vars(args)[f"sglang_{dest}"]
         if value is not None:
             out[dest] = value
     return out
@@ -339,7 +339,7 @@ def router_overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     for dest in router_options_by_dest():
         if dest in SKIPPED_ROUTER_FLAGS:
             continue
-        value = getattr(args, f"router_{dest}", None)
+        value = vars(args)[f"router_{dest}"]
         if value is not None:
             out[dest] = value
     return out

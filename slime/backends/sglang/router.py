@@ -48,7 +48,7 @@ def build_router_argv(
         if dest in user:
             user[dest] = ROUTER_POLICY_ALIASES.get(user[dest], user[dest])
     settings: dict[str, Any] = {
-        "request_timeout_secs": getattr(args, "sglang_router_request_timeout_secs", 14400),
+        "request_timeout_secs": args.sglang_router_request_timeout_secs,
         "disable_health_check": True,
         "prometheus_host": host,
     }

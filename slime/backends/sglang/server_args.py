@@ -37,22 +37,22 @@ def _slime_settings(
     bootstrap_port: int | None,
     pp_size: int,
     model_path: str | None,
+    nnodes: int,
+    node_rank: int,
 ) -> dict[str, Any]:
-    gpus_per_node = getattr(args, "num_gpus_per_node", 8) or 8
-    nnodes = max(1, num_gpus // gpus_per_node) if num_gpus > gpus_per_node else 1
     if num_gpus % pp_size:
         raise SlimeArgError(f"--sglang-pp-size {pp_size} does not divide the engine's {num_gpus} GPUs")
     s: dict[str, Any] = {
         "model_path": model_path or args.hf_checkpoint,
         "trust_remote_code": True,
         "random_seed": args.seed + rank,
-        "enable_memory_saver": bool(getattr(args, "offload_rollout", False)),
+        "enable_memory_saver": bool(args.offload_rollout),
         "host": host,
         "port": port,
         "nccl_port": nccl_port,
         "dist_init_addr": dist_init_addr,
         "nnodes": nnodes,
-        "node_rank": rank % nnodes,
+        "node_rank": node_rank,
         "base_gpu_id": base_gpu_id,
         "gpu_id_step": 1,
         "tp_size": num_gpus // pp_size,
@@ -65,15 +65,24 @@ def _slime_settings(
         s["disaggregation_mode"] = "decode"
     elif worker_type == "encoder":
         s["encoder_only"] = True
-    if getattr(args, "use_rollout_routing_replay", False):
-        s["enable_return_routed_experts"] = True
     return {k: v for k, v in s.items() if v is not None}
 
 
 def _sim_argv(
-    args: argparse.Namespace, host: str, port: int, rank: int, model_path: str | None, num_gpus: int = 1
+    args: argparse.Namespace,
+    host: str,
+    port: int,
+    rank: int,
+    model_path: str | None,
+    num_gpus: int = 1,
+    worker_type: str = "regular",
+    bootstrap_port: int | None = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    dist_init_addr: str | None = None,
 ) -> list[str]:
-    """The CLI of sim/fake_sglang; `--tp-size` makes a k-GPU fake join weight-sync groups as k ranks."""
+    """The CLI of sim/fake_sglang; `--tp-size` makes a k-GPU fake join weight-sync groups as k ranks, and a
+    multi-node fake serves as one engine from node rank 0 (the others join it as SGLang's nodes do)."""
     import torch
 
     engine = args.sim_engine
@@ -83,13 +92,19 @@ def _sim_argv(
         argv += ["--script", str(args.sim_script)]
     if engine == "synthetic":
         argv += ["--synthetic-config", str(args.sim_synthetic_config)]
-    if getattr(args, "sim_request_log_dir", None):
+    if args.sim_request_log_dir:
         argv += ["--request-log", os.path.join(args.sim_request_log_dir, f"engine_{rank}.jsonl")]
     argv += ["--device", "cuda" if torch.cuda.is_available() else "cpu"]
-    if getattr(args, "sglang_max_running_requests", None):  # the one scheduler limit the fake shares with SGLang
+    if args.sglang_max_running_requests:  # the one scheduler limit the fake shares with SGLang
         argv += ["--max-running-requests", str(args.sglang_max_running_requests)]
     if num_gpus > 1:
         argv += ["--tp-size", str(num_gpus)]
+    if worker_type in ("prefill", "decode"):
+        argv += ["--disaggregation-mode", worker_type]
+        if bootstrap_port is not None:
+            argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+    if nnodes > 1:
+        argv += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--dist-init-addr", str(dist_init_addr)]
     return argv
 
 
@@ -108,10 +123,27 @@ def build_server_argv(
     bootstrap_port: int | None = None,
     overrides: dict[str, Any] | None = None,
     model_path: str | None = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
 ) -> list[str]:
-    """The command line of engine `rank`; `overrides` (a --sglang-config group's) win over everything."""
+    """The command line of engine `rank` (of its node `node_rank` when it spans `nnodes` nodes); `overrides`
+    (a --sglang-config group's) win over everything."""
+    if nnodes > 1 and not dist_init_addr:
+        raise ValueError("an engine spanning several nodes needs dist_init_addr (node rank 0's address)")
     if backend == "sim":
-        return _sim_argv(args, host, port, rank, model_path, num_gpus)
+        return _sim_argv(
+            args,
+            host,
+            port,
+            rank,
+            model_path,
+            num_gpus,
+            worker_type,
+            bootstrap_port,
+            nnodes,
+            node_rank,
+            dist_init_addr,
+        )
     if backend != "sglang":
         raise ValueError(f"unknown backend {backend!r}")
     if worker_type not in WORKER_TYPES:
@@ -135,6 +167,8 @@ def build_server_argv(
         bootstrap_port=bootstrap_port,
         pp_size=pp_size,
         model_path=normalized.pop("model_path", None) or model_path,
+        nnodes=nnodes,
+        node_rank=node_rank,
     )
     merged.update(user)
     for key, value in normalized.items():

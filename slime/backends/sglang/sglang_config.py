@@ -309,7 +309,7 @@ def _resolve(raws: list[dict[str, Any]], args: Namespace, ctx: _Ctx | None) -> t
             raise err(r.get("name_node"), f"sglang[{i}].name", f"duplicate model name {r['name']!r}")
         seen.add(r["name"])
     explicit = [i for i, r in enumerate(raws) if r["update_weights"] is True]
-    if len(explicit) > 1 and not getattr(args, "debug_rollout_only", False):
+    if len(explicit) > 1 and not args.debug_rollout_only:
         j = explicit[1]
         raise err(
             raws[j].get("update_node"), f"sglang[{j}].update_weights",
@@ -344,11 +344,11 @@ def _resolve(raws: list[dict[str, Any]], args: Namespace, ctx: _Ctx | None) -> t
 def load_sglang_config(path: str, args: Namespace) -> SGLangConfig:
     """Parse and resolve `path` against the flags; raises SlimeArgError (one line: file:line: yaml.path: why)."""
     ctx = _Ctx(path)
-    if getattr(args, "prefill_num_servers", None) is not None:
+    if args.prefill_num_servers is not None:
         raise SlimeArgError(
             f"--sglang-config {path}: excludes --prefill-num-servers; declare prefill/decode groups in the YAML"
         )
-    if getattr(args, "rollout_external", False):
+    if args.rollout_external:
         raise SlimeArgError(f"--sglang-config {path}: excludes --rollout-external (external engines are not launched)")
     root = _compose(path)
     top = _mapping(ctx, root, "", ("sglang",))
@@ -369,10 +369,10 @@ def load_sglang_config(path: str, args: Namespace) -> SGLangConfig:
 def config_from_flags(args: Namespace) -> SGLangConfig:
     """The topology slime builds without a YAML: one regular group, or the legacy prefill/decode split."""
     gpe = args.rollout_num_gpus_per_engine
-    name = getattr(args, "model_name", None) or DEFAULT_MODEL_NAME
+    name = args.model_name or DEFAULT_MODEL_NAME
     path = args.hf_checkpoint
     n = args.rollout_num_gpus
-    if getattr(args, "prefill_num_servers", None):
+    if args.prefill_num_servers:
         prefill = args.prefill_num_servers * gpe
         if prefill >= n:
             raise SlimeArgError(
@@ -390,6 +390,6 @@ def config_from_flags(args: Namespace) -> SGLangConfig:
 
 def resolve_sglang_config(args: Namespace) -> SGLangConfig:
     """The run's topology: from `--sglang-config` when given, else from the flags."""
-    if getattr(args, "sglang_config", None):
+    if args.sglang_config:
         return load_sglang_config(args.sglang_config, args)
     return config_from_flags(args)

@@ -41,7 +41,7 @@ __all__ = [
 
 def _random_rm(args: Any, sample: Sample, response: str) -> float:
     # Seeded by (rollout seed, sample index): a baseline/smoke-test reward that replays identically.
-    rng = random.Random(f"{getattr(args, 'rollout_seed', 42)}:{sample.index if sample.index is not None else 0}")
+    rng = random.Random(f"{args.rollout_seed}:{sample.index if sample.index is not None else 0}")
     return float(rng.random() < 0.5)
 
 
@@ -66,11 +66,11 @@ async def _call_maybe_async(fn: Callable[..., Any], *fn_args: Any) -> Any:
 
 async def async_rm(args: Any, sample: Sample) -> Reward:
     """The reward of one sample: a float, or a dict when the grader reports several fields."""
-    custom = getattr(args, "custom_rm_path", None)
+    custom = args.custom_rm_path
     if custom:
         return await _call_maybe_async(_load_custom_rm(custom), args, sample)
 
-    rm_type = (sample.metadata or {}).get("rm_type") or getattr(args, "rm_type", None)
+    rm_type = (sample.metadata or {}).get("rm_type") or args.rm_type
     if not rm_type:
         raise SlimeArgError(
             f"no reward function for sample {sample.index}: set --rm-type (one of {', '.join(KNOWN_RM_TYPES)}), "
@@ -98,8 +98,8 @@ async def async_rm(args: Any, sample: Sample) -> Reward:
 
 async def batched_async_rm(args: Any, samples: list[Sample]) -> list[Reward]:
     """Rewards for a list of samples; with `--group-rm` the custom fn sees the whole list (pairwise/group RMs)."""
-    custom = getattr(args, "custom_rm_path", None)
-    if getattr(args, "group_rm", False) and custom:
+    custom = args.custom_rm_path
+    if args.group_rm and custom:
         rewards = await _call_maybe_async(_load_custom_rm(custom), args, samples)
         if not isinstance(rewards, (list, tuple)) or len(rewards) != len(samples):
             got = len(rewards) if isinstance(rewards, (list, tuple)) else type(rewards).__name__

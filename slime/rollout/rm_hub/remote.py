@@ -60,7 +60,7 @@ async def remote_rm(
     args: Any, sample: Sample, *, max_tries: int = MAX_TRIES, base_delay: float = 0.5, max_delay: float = 8.0
 ) -> float | dict[str, Any]:
     """POST `{"prompt", "response", "label"}` to `args.rm_url` and return the answer's reward."""
-    url = getattr(args, "rm_url", None)
+    url = args.rm_url
     if not url:
         raise RemoteRMError("rm_type 'remote_rm' needs --rm-url (the reward service's URL)")
     payload = {"prompt": sample.prompt, "response": sample.response, "label": sample.label}

@@ -1,0 +1,97 @@
+"""Algorithm flags: advantage estimator, loss, clipping, KL, off-policy corrections, custom loss hooks."""
+
+from __future__ import annotations
+
+import argparse
+
+from slime.utils.errors import SlimeArgError
+
+# Flags whose features are not built yet; setting one is refused before Ray starts (slime/arguments.py).
+UNSUPPORTED = {
+    "value_clip": "PPO's value loss comes with the critic (--advantage-estimator ppo), not built yet",
+    "lambd": "GAE's lambda comes with the critic (--advantage-estimator ppo), not built yet",
+    "num_critic_only_steps": "the critic (--advantage-estimator ppo) is not built yet",
+    "megatron_config": "per-role Megatron overrides come with the critic, not built yet",
+    "ref_ckpt_step": "--ref-load takes an HF checkpoint directory (no iterations to pick from)",
+}
+
+
+def add_algorithm_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("algorithm")
+    g.add_argument(
+        "--advantage-estimator",
+        choices=["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"],
+        default="grpo",
+    )
+    g.add_argument("--loss-type", choices=["policy_loss", "sft_loss", "custom_loss"], default="policy_loss")
+    g.add_argument(
+        "--custom-loss-function-path",
+        default=None,
+        help="fn(args, batch, logits, reducer) -> (loss, metrics) for --loss-type custom_loss",
+    )
+    g.add_argument(
+        "--disable-compute-advantages-and-returns",
+        action="store_true",
+        help="skip the built-in advantages; --rollout-data-postprocess-path (or the loss) provides them",
+    )
+    g.add_argument("--custom-advantage-function-path", default=None)
+    g.add_argument("--eps-clip", type=float, default=0.2)
+    g.add_argument("--eps-clip-high", type=float, default=None)
+    g.add_argument("--eps-clip-c", type=float, default=None)
+    g.add_argument("--value-clip", type=float, default=None, help="not supported yet (PPO)")
+    g.add_argument("--kl-coef", type=float, default=0.0)
+    g.add_argument("--use-kl-loss", action="store_true")
+    g.add_argument("--kl-loss-coef", type=float, default=0.0)
+    g.add_argument("--kl-loss-type", choices=["k1", "k2", "k3", "low_var_kl"], default="k1")
+    g.add_argument("--use-unbiased-kl", action="store_true")
+    g.add_argument("--ref-load", default=None, help="HF checkpoint of the reference policy (default: the initial one)")
+    g.add_argument("--ref-ckpt-step", type=int, default=None, help="not supported yet")
+    g.add_argument(
+        "--ref-update-interval",
+        type=int,
+        default=None,
+        help="copy the actor's weights into the reference policy after every N rollouts",
+    )
+    g.add_argument("--entropy-coef", type=float, default=0.0)
+    g.add_argument("--gamma", type=float, default=1.0)
+    g.add_argument("--lambd", type=float, default=None, help="not supported yet (PPO)")
+    g.add_argument("--normalize-advantages", action="store_true")
+    g.add_argument("--disable-grpo-std-normalization", action="store_true")
+    g.add_argument("--disable-rewards-normalization", action="store_true")
+    g.add_argument("--calculate-per-token-loss", action="store_true")
+    g.add_argument("--use-rollout-logprobs", action="store_true")
+    g.add_argument("--use-tis", action="store_true")
+    g.add_argument("--tis-clip", type=float, default=2.0)
+    g.add_argument("--tis-clip-low", type=float, default=0.0)
+    g.add_argument("--custom-tis-function-path", default=None)
+    g.add_argument("--custom-pg-loss-reducer-function-path", default=None)
+    g.add_argument("--use-opsm", action="store_true")
+    g.add_argument("--opsm-delta", type=float, default=1e-4)
+    g.add_argument("--get-mismatch-metrics", action="store_true")
+    g.add_argument("--log-probs-chunk-size", type=int, default=-1)
+    g.add_argument("--num-critic-only-steps", type=int, default=None, help="not supported yet (PPO)")
+    g.add_argument(
+        "--megatron-config", "--megatron-config-path", dest="megatron_config", default=None, help="not supported yet"
+    )
+
+
+def validate_algorithm_args(args: argparse.Namespace) -> None:
+    if args.advantage_estimator == "ppo":
+        raise SlimeArgError("--advantage-estimator ppo is not supported yet: the critic is not built")
+    if args.loss_type == "custom_loss" and not args.custom_loss_function_path:
+        raise SlimeArgError("--loss-type custom_loss needs --custom-loss-function-path module.fn")
+    if args.eps_clip_high is None:
+        args.eps_clip_high = args.eps_clip
+    if args.eps_clip_c is not None and args.eps_clip_c <= 1.0:
+        raise SlimeArgError(f"--eps-clip-c must be > 1 (dual-clip bound), got {args.eps_clip_c}")
+    if args.kl_coef and args.kl_loss_coef:
+        raise SlimeArgError("only one of --kl-coef and --kl-loss-coef may be non-zero")
+    if args.use_rollout_logprobs and args.use_tis:
+        raise SlimeArgError("--use-rollout-logprobs and --use-tis exclude each other")
+    if args.ref_update_interval is not None:
+        if args.ref_update_interval < 1:
+            raise SlimeArgError("--ref-update-interval must be >= 1")
+        if not (args.use_kl_loss or args.kl_coef):
+            raise SlimeArgError("--ref-update-interval needs a reference policy (--use-kl-loss or --kl-coef)")
+    if args.n_samples_per_prompt == 1:
+        args.disable_grpo_std_normalization = True

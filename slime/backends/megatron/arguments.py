@@ -1,0 +1,113 @@
+"""Megatron-style training flags, with Megatron's names and slime's defaults (the megatron-core wheel has no
+argparse of its own), plus weight-sync and megatron hook flags."""
+
+from __future__ import annotations
+
+import argparse
+
+from slime.utils.errors import SlimeArgError
+
+_PARALLEL_ISSUE = "the trainer runs tensor and data parallelism only for now"
+# Flags whose features are not built yet; setting one is refused before Ray starts (slime/arguments.py).
+UNSUPPORTED = {
+    "pipeline_model_parallel_size": f"pipeline parallelism: {_PARALLEL_ISSUE}",
+    "virtual_pipeline_model_parallel_size": f"virtual pipeline stages: {_PARALLEL_ISSUE}",
+    "microbatch_group_size_per_vp_stage": f"virtual pipeline stages: {_PARALLEL_ISSUE}",
+    "context_parallel_size": f"context parallelism: {_PARALLEL_ISSUE}",
+    "expert_model_parallel_size": f"expert parallelism (MoE): {_PARALLEL_ISSUE}",
+    "expert_tensor_parallel_size": f"expert tensor parallelism (MoE): {_PARALLEL_ISSUE}",
+    "sequence_parallel": f"sequence parallelism: {_PARALLEL_ISSUE}",
+}
+
+
+def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training (Megatron-style)")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    g.add_argument("--microbatch-group-size-per-vp-stage", type=int, default=None)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--lr", type=float, default=1e-6)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument(
+        "--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"], default="constant"
+    )
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument(
+        "--use-distributed-optimizer",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="shard optimizer state over DP (default: on with CUDA; on CPU it needs the shim's opt-in)",
+    )
+    g.add_argument("--load", default=None, help="checkpoint dir to resume from (no tracker file there: start fresh)")
+    g.add_argument("--save", default=None, help="checkpoint dir: iter_XXXXXXX/ per save, tracker file written last")
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true", help="resume model weights only (fresh optimizer)")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument(
+        "--dist-ckpt-optim-fully-reshardable",
+        action="store_true",
+        help="distributed optimizer: save a canonical per-parameter state (reshardable in TP/PP too; gathers on DP 0)",
+    )
+    g.add_argument("--save-hf", default=None, help="HF export dir per save; may contain {rollout_id}")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None)
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--update-weight-buffer-size", type=int, default=512 * 1024**2, help="bytes per weight bucket")
+    g.add_argument("--update-weights-interval", type=int, default=1)
+    g.add_argument(
+        "--update-weight-mode",
+        choices=["auto", "tensor", "distributed"],
+        default="auto",
+        help="weight sync transport: tensor (colocated, CUDA IPC / shared memory) or distributed (a process group "
+        "with the engines, NCCL on GPU, gloo on CPU); auto = tensor with --colocate, else distributed",
+    )
+    g.add_argument(
+        "--check-weight-update-equal",
+        action="store_true",
+        help="after every sync, compare each engine's weight checksum with the trainer's (slow; for debugging)",
+    )
+    g.add_argument("--custom-megatron-init-path", default=None, help="fn(args), before any model is built")
+    g.add_argument(
+        "--custom-megatron-before-log-prob-hook-path",
+        default=None,
+        help="fn(args, model, store_prefix) before each log-prob pass ('' for π_old, 'ref_' for π_ref)",
+    )
+    g.add_argument(
+        "--custom-megatron-before-train-step-hook-path",
+        default=None,
+        help="fn(args, rollout_id, step_id, model, optimizer, opt_param_scheduler) before each optimizer step",
+    )
+
+
+def validate_megatron_args(args: argparse.Namespace) -> None:
+    if args.tensor_model_parallel_size < 1:
+        raise SlimeArgError("--tensor-model-parallel-size must be >= 1")
+    if args.world_size % args.tensor_model_parallel_size and not args.debug_rollout_only:
+        raise SlimeArgError(
+            f"--tensor-model-parallel-size {args.tensor_model_parallel_size} does not divide the "
+            f"{args.world_size} train GPUs (--actor-num-nodes x --actor-num-gpus-per-node)"
+        )
+    if args.update_weights_interval < 1:
+        raise SlimeArgError("--update-weights-interval must be >= 1")
+    if args.update_weight_mode == "auto":
+        # colocated engines share the trainer's GPUs: hand over IPC handles; otherwise broadcast to their GPUs
+        args.update_weight_mode = "tensor" if args.colocate else "distributed"
+    if args.colocate and args.update_weight_mode == "distributed":
+        raise SlimeArgError(
+            "--update-weight-mode distributed needs engines on their own GPUs; with --colocate use tensor (the default)"
+        )
+    if args.save_interval is not None and args.save_interval <= 0:
+        raise SlimeArgError("--save-interval must be > 0")

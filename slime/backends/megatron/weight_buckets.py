@@ -1,0 +1,56 @@
+"""Weight buckets: the one way HF-named tensors are grouped and flattened for a transfer to the engines.
+
+Why by dtype: a bucket travels as one flat tensor (SGLang's `flattened_bucket` load format), and tensors of one
+dtype laid back to back stay aligned, so the receiver rebuilds each as a view of the flat buffer. Both weight
+sync transports (CUDA IPC / shared memory, and the broadcast group) send these buckets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class FlattenedTensorMetadata:
+    """Field-for-field SGLang's `FlattenedTensorMetadata` (python/sglang/srt/weight_sync/tensor_bucket.py)."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+def buckets_by_dtype(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Lists of same-dtype tensors of at most `bucket_bytes` each (a larger tensor travels alone), in order of
+    completion; tensors are not copied."""
+    pending: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    sizes: dict[torch.dtype, int] = {}
+    for name, t in named_tensors:
+        nbytes = t.numel() * t.element_size()
+        if t.dtype in pending and sizes[t.dtype] + nbytes > bucket_bytes:
+            yield pending.pop(t.dtype)
+            sizes.pop(t.dtype)
+        pending.setdefault(t.dtype, []).append((name, t))
+        sizes[t.dtype] = sizes.get(t.dtype, 0) + nbytes
+    yield from pending.values()
+
+
+def flatten(bucket: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[FlattenedTensorMetadata]]:
+    """One 1-D tensor of the bucket's dtype holding every tensor back to back, and where each one lies."""
+    flat = torch.cat([t.detach().reshape(-1) for _, t in bucket])
+    meta, start = [], 0
+    for name, t in bucket:
+        meta.append(FlattenedTensorMetadata(name, t.shape, t.dtype, start, start + t.numel(), t.numel()))
+        start += t.numel()
+    return flat, meta
+
+
+def bucket_nbytes(bucket: list[tuple[str, torch.Tensor]]) -> int:
+    return sum(t.numel() * t.element_size() for _, t in bucket)

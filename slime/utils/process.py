@@ -1,0 +1,184 @@
+"""Child processes slime supervises: inference servers, routers, agent CLIs, fake engines in tests.
+
+One lifecycle for all of them, so a fix to how a child is started or stopped reaches every kind:
+- start in its own process group (a stop reaches the tools and workers it spawned) with PR_SET_PDEATHSIG,
+  so a killed parent (a Ray actor, the driver) cannot leave a server holding a GPU or a port;
+- wait until healthy, and on failure say why with the exit code and the tail of the child's log;
+- stop with SIGTERM to the whole group, then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import IO
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+STOP_GRACE_S = 5.0
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """`preexec_fn`: own session (process group), and SIGTERM when the launching process dies (Linux)."""
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def log_tail(path: str | None, lines: int = 20) -> str:
+    """The last `lines` lines of a child's log, formatted to end an error message ('' when there is none)."""
+    if not path or not os.path.exists(path):
+        return ""
+    with open(path, errors="replace") as f:
+        tail = f.readlines()[-lines:]
+    return f"\n--- last {len(tail)} lines of {path} ---\n" + "".join(tail)
+
+
+def signal_group(pgid: int, sig: int) -> bool:
+    """Send `sig` to a process group; False when the group is gone (or not ours to signal)."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def stop_popen(proc: subprocess.Popen, grace: float = STOP_GRACE_S) -> int | None:
+    """SIGTERM the child's group, SIGKILL it after `grace` seconds; returns the exit code."""
+    if proc.poll() is None and signal_group(proc.pid, signal.SIGTERM):
+        try:
+            return proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+    signal_group(proc.pid, signal.SIGKILL)  # also what the child left running in its group
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=STOP_GRACE_S)
+    return proc.returncode
+
+
+async def _exited(proc: asyncio.subprocess.Process, timeout: float) -> bool:
+    # Polls the return code: `proc.wait()` also waits for the pipes, which a grandchild may hold open.
+    deadline = time.monotonic() + timeout
+    while proc.returncode is None:
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+async def wait_exited(proc: asyncio.subprocess.Process, timeout: float) -> bool:
+    """Whether an asyncio child exited within `timeout` seconds (its pipes may still be open)."""
+    return await _exited(proc, timeout)
+
+
+async def stop_async(proc: asyncio.subprocess.Process, grace: float = STOP_GRACE_S) -> int | None:
+    """`stop_popen` for an asyncio child: SIGTERM the group, SIGKILL after `grace`, always SIGKILL leftovers."""
+    if proc.returncode is None and signal_group(proc.pid, signal.SIGTERM):
+        await _exited(proc, grace)
+    signal_group(proc.pid, signal.SIGKILL)
+    await _exited(proc, STOP_GRACE_S)
+    return proc.returncode
+
+
+class ManagedProcess:
+    """A supervised child: `start` it, `wait_healthy`, `stop` it. Output goes to `log_path` (or is dropped)."""
+
+    def __init__(self, proc: subprocess.Popen, name: str, log_path: str | None) -> None:
+        self.proc = proc
+        self.name = name
+        self.log_path = log_path
+
+    @classmethod
+    def start(
+        cls,
+        argv: Sequence[str],
+        *,
+        name: str,
+        log_path: str | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> ManagedProcess:
+        out: IO[bytes] | int = subprocess.DEVNULL
+        if log_path:
+            os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+            out = open(log_path, "ab")  # noqa: SIM115 - the child writes to it for its lifetime
+        logger.info("%s: %s%s", name, " ".join(argv), f" (log {log_path})" if log_path else "")
+        try:
+            proc = subprocess.Popen(
+                list(argv),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                cwd=cwd,
+                preexec_fn=die_with_parent,
+            )
+        finally:
+            if not isinstance(out, int):
+                out.close()  # the child holds its own descriptor
+        return cls(proc, name, log_path)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    def wait_healthy(
+        self, probe: str | Callable[[], bool], timeout: float, interval: float = 0.2, request_timeout: float = 30.0
+    ) -> None:
+        """Poll `probe` (a URL answering 200, or a callable) until it succeeds. Raises RuntimeError at once if
+        the child exits, TimeoutError after `timeout`; both end with the child's log tail. A child that does not
+        become healthy is stopped."""
+        check = _url_probe(probe, request_timeout) if isinstance(probe, str) else probe
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"{self.name} exited with code {self.proc.returncode} during start-up{log_tail(self.log_path)}"
+                    )
+                if check():
+                    return
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{self.name} not healthy after {timeout:.0f}s{log_tail(self.log_path)}")
+                time.sleep(interval)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, grace: float = STOP_GRACE_S) -> int | None:
+        return stop_popen(self.proc, grace)
+
+    def kill(self) -> None:
+        """SIGKILL the whole group now (fault injection, a dead engine taken out)."""
+        signal_group(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=STOP_GRACE_S)
+
+
+def _url_probe(url: str, request_timeout: float) -> Callable[[], bool]:
+    def check() -> bool:
+        try:
+            return httpx.get(url, timeout=request_timeout).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    return check
