@@ -1,25 +1,24 @@
 """Anthropic messages (JSON and SSE) and count_tokens.
 
-SSE order as Claude Code and the anthropic SDK expect (agent-clients.md §1, §5): `message_start`, then per
-block `content_block_start` -> `content_block_delta` (`thinking_delta` + `signature_delta`, `text_delta`,
-`input_json_delta`) -> `content_block_stop`, then `message_delta` (stop_reason, usage) and `message_stop`.
-A thinking block's `signature` carries the engine request id: clients send it back verbatim.
+SSE order as Claude Code and the anthropic SDK expect (https://docs.anthropic.com/en/api/messages-streaming):
+`message_start`, then per block `content_block_start` -> `content_block_delta` (`thinking_delta` +
+`signature_delta`, `text_delta`, `input_json_delta`) -> `content_block_stop`, then `message_delta`
+(stop_reason, usage) and `message_stop`.
+A thinking block's `signature` carries the engine request id: clients send it back verbatim. An error after
+the stream started is sent in-band by the gateway as an `error` event with Anthropic's error object.
 """
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
+from slime.agent.api import TurnResult, TurnRunner, open_sse, request_params, send
 from slime.agent.chains import anthropic_hints
 from slime.agent.messages import BadRequest, anthropic_messages, anthropic_tools
-from slime.agent.openai_api import _stream_errors, open_sse, send
-
-if TYPE_CHECKING:
-    from slime.agent.gateway import Gateway, TurnResult
-    from slime.agent.sessions import Session
+from slime.agent.session import Session
 
 
 def _stop_reason(r: TurnResult) -> str:
@@ -52,9 +51,7 @@ def _message(rid: str, model: str) -> dict[str, Any]:
     }
 
 
-async def messages(gw: Gateway, request: web.Request, s: Session, body: dict[str, Any]) -> web.StreamResponse:
-    from slime.agent.gateway import request_params
-
+async def messages(gw: TurnRunner, request: web.Request, s: Session, body: dict[str, Any]) -> web.StreamResponse:
     msgs = anthropic_messages(body)
     tools = anthropic_tools(body.get("tools"))
     params = request_params(body, max_tokens="max_tokens", stop="stop_sequences")
@@ -71,9 +68,7 @@ async def messages(gw: Gateway, request: web.Request, s: Session, body: dict[str
     resp = await open_sse(request)
     await send(resp, {"type": "message_start", "message": _message(rid, model)}, event="message_start")
     await send(resp, {"type": "ping"}, event="ping")
-    r = await _stream_errors(resp, gw, gw.run_turn(s, msgs, tools, params, rid, hints))
-    if r is None:
-        return resp
+    r = await gw.run_turn(s, msgs, tools, params, rid, hints)  # an error now goes in-band (the gateway's)
 
     async def ev(kind: str, **data: Any) -> None:
         await send(resp, {"type": kind, **data}, event=kind)
@@ -105,7 +100,7 @@ async def messages(gw: Gateway, request: web.Request, s: Session, body: dict[str
     return resp
 
 
-async def count_tokens(gw: Gateway, request: web.Request, s: Session, body: dict[str, Any]) -> web.Response:
+async def count_tokens(gw: TurnRunner, request: web.Request, s: Session, body: dict[str, Any]) -> web.Response:
     msgs = anthropic_messages(body)
     tools = anthropic_tools(body.get("tools"))
     try:

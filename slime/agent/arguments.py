@@ -40,8 +40,8 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--agent-tools",
-        default=None,
-        help="claude-code: the agent's --tools list (default Bash,Read,Edit,Write; add Agent for sub-agents)",
+        default="Bash,Read,Edit,Write",
+        help="claude-code: the agent's --tools list (add Agent to let the policy spawn sub-agents)",
     )
     g.add_argument(
         "--agent-aux-model",
@@ -63,23 +63,23 @@ def resolve_agent_args(args: Any) -> None:
     """
     from slime.agent.harness import HARNESSES
 
-    store = getattr(args, "agent_store", None)
+    store = args.agent_store
     if store and store != "memory" and not str(store).startswith(("redis://", "rediss://", "unix://")):
-        raise SlimeArgError(f"--agent-store {store!r}: use memory or a redis:// URL")
-    name = getattr(args, "agent_harness", None)
+        raise SlimeArgError("--agent-store: use memory or a redis:// URL")
+    name = args.agent_harness
     if name is None:
         return
     if name not in HARNESSES:
         raise SlimeArgError(f"--agent-harness {name!r}: known harnesses are {', '.join(sorted(HARNESSES))}")
-    current = getattr(args, "custom_generate_function_path", None)
+    current = args.custom_generate_function_path
     if current is not None and current != HARNESSES[name]:
         raise SlimeArgError(
             f"--agent-harness {name} sets the generate function; drop --custom-generate-function-path {current}"
         )
     args.custom_generate_function_path = HARNESSES[name]
-    if getattr(args, "agent_max_turns", 1) is not None and int(getattr(args, "agent_max_turns", 1)) < 1:
+    if args.agent_max_turns < 1:
         raise SlimeArgError("--agent-max-turns must be >= 1")
-    for flag in ("agent_timeout", "agent_cli_concurrency"):
-        v = getattr(args, flag, None)
-        if v is not None and v <= 0:
-            raise SlimeArgError(f"--{flag.replace('_', '-')} must be > 0")
+    if args.agent_timeout <= 0:
+        raise SlimeArgError("--agent-timeout must be > 0")
+    if args.agent_cli_concurrency <= 0:
+        raise SlimeArgError("--agent-cli-concurrency must be > 0")

@@ -1,8 +1,9 @@
 """Which conversation of an episode a request belongs to: the main agent's, a sub-agent's, or auxiliary calls.
 
 Claude Code runs sub-agents (its `Agent` / `Task` tool) as separate conversations in the same episode, with the
-same session headers as the parent (agent-clients.md §1 "Sub-agents"). Training wants each conversation as its
-own token context, so every request is routed to a chain before its prompt is built. Rules, in order:
+same session headers as the parent (`tests/fixtures/agent/claude_code_subagent.jsonl` is such an episode).
+Training wants each conversation as its own token context, so every request is routed to a chain before its
+prompt is built. Rules, in order:
 
 1. A request carrying the tool result of one of our `Agent`/`Task` calls closes that sub-agent's chain: its
    turns freeze as a `subagent` segment (the sub-agent is done when its parent sees the result).
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slime.agent.parsing import ParsedOutput
-from slime.agent.sessions import AUX_KIND, MAIN, MAIN_KIND, SUBAGENT_KIND, Session
+from slime.agent.session import AUX_KIND, MAIN, MAIN_KIND, SUBAGENT_KIND, Session
 
 SUBAGENT_TOOLS = ("Agent", "Task")
 AUX_CHAIN = "aux"

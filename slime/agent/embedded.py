@@ -29,17 +29,16 @@ async def get_embedded_gateway(args: Any) -> Gateway:
     async with lock:
         gw = _gateways.get(loop)
         if gw is None:
-            aux = getattr(args, "agent_aux_model", None)
+            aux = args.agent_aux_model
             gw = Gateway(
                 load_tokenizer(args.hf_checkpoint),
                 get_model_url(args, endpoint=""),
-                store=getattr(args, "agent_store", None),
-                model_name=getattr(args, "agent_model_name", None) or "slime-policy",
-                default_max_new_tokens=int(getattr(args, "rollout_max_response_len", None) or 4096),
+                store=args.agent_store,
+                model_name=args.agent_model_name,
+                default_max_new_tokens=args.rollout_max_response_len,
                 aux_models=[aux] if aux else [],
             )
-            host = getattr(args, "agent_gateway_host", None) or "127.0.0.1"
-            await gw.start(host, int(getattr(args, "agent_gateway_port", None) or 0))
+            await gw.start(args.agent_gateway_host, args.agent_gateway_port)
             _gateways[loop] = gw
     return gw
 

@@ -9,7 +9,9 @@ sampling_params, return_logprob; python/sglang/srt/entrypoints/http_server.py `/
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,15 +20,24 @@ import aiohttp
 logger = logging.getLogger(__name__)
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # sglang-router's consistent-hashing key: one session, one engine
+_HOST_PORT = re.compile(r"(?:[A-Za-z][A-Za-z0-9+.-]*://)?(?:\[[0-9A-Fa-f:.]+\]|[\w.-]+):\d{1,5}\S*")
 
 
 class EngineError(Exception):
-    """The engine failed or answered an error; `status` is what the gateway returns (4xx only for the engine's
-    own verdict on the request, 502 otherwise)."""
+    """The engine failed or answered an error. `str(e)` is what the client is told, so it never names the
+    engine's address (the gateway may face clients that must not learn the cluster's layout); `detail` is
+    the whole story, for the gateway's log. `status` is what the gateway answers: 4xx only for the engine's
+    own verdict on the request, 502 otherwise."""
 
-    def __init__(self, message: str, status: int = 502) -> None:
+    def __init__(self, message: str, status: int = 502, detail: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.detail = detail or message
+
+
+def redact_hosts(text: str) -> str:
+    """`text` without anything shaped like a host:port or URL (an engine's error may name its own address)."""
+    return _HOST_PORT.sub("<engine>", text)
 
 
 @dataclass
@@ -62,12 +73,16 @@ class EngineClient:
     ) -> EngineResult:
         payload = {"rid": rid, "input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True}
         headers = {ROUTING_KEY_HEADER: routing_key} if routing_key else None
+        where = f"{self.url}/generate"
         try:
-            async with self._http().post(f"{self.url}/generate", json=payload, headers=headers) as resp:
+            async with self._http().post(where, json=payload, headers=headers) as resp:
                 if resp.status >= 400:
-                    text = await resp.text()
-                    status = 400 if 400 <= resp.status < 500 else 502
-                    raise EngineError(f"engine answered HTTP {resp.status}: {text[:300]}", status)
+                    text = (await resp.text(errors="replace"))[:300]
+                    detail = f"{where} answered HTTP {resp.status}: {text}"
+                    if resp.status < 500:
+                        why = redact_hosts(_error_message(text))
+                        raise EngineError(f"the engine rejected the request: {why}", 400, detail)
+                    raise EngineError(f"the engine failed (HTTP {resp.status})", 502, detail)
                 out = await resp.json(content_type=None)
         except asyncio.CancelledError:
             # The client went away: free the engine slot now (the closed connection alone may not reach a
@@ -77,17 +92,13 @@ class EngineClient:
             task.add_done_callback(self._abort_tasks.discard)
             raise
         except (aiohttp.ClientError, TimeoutError) as e:
-            raise EngineError(f"engine request failed: {e!r}") from e
-        meta = out.get("meta_info") or {}
-        items = meta.get("output_token_logprobs") or []
-        ids = out.get("output_ids")
-        if ids is None:
-            ids = [int(it[1]) for it in items]
-        if len(items) != len(ids):
-            raise EngineError(f"engine answered {len(ids)} output ids but {len(items)} log-probs")
-        finish = meta.get("finish_reason") or {}
-        kind = finish.get("type", "stop") if isinstance(finish, dict) else str(finish)
-        return EngineResult([int(i) for i in ids], [float(it[0]) for it in items], kind, meta)
+            raise EngineError("the engine could not be reached", 502, f"{where}: {e!r}") from e
+        except (ValueError, UnicodeDecodeError) as e:  # not JSON
+            raise EngineError("the engine answered malformed JSON", 502, f"{where}: {e!r}") from e
+        try:
+            return _result(out)
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+            raise EngineError("the engine's answer has an unexpected shape", 502, f"{where}: {e!r}") from e
 
     async def abort(self, rid: str) -> None:
         try:
@@ -95,3 +106,30 @@ class EngineClient:
                 await resp.read()
         except (aiohttp.ClientError, TimeoutError) as e:
             logger.warning("abort of %s failed: %r", rid, e)
+
+
+def _result(out: Any) -> EngineResult:
+    meta = out.get("meta_info") or {}
+    items = meta.get("output_token_logprobs") or []
+    ids = out.get("output_ids")
+    if ids is None:
+        ids = [int(it[1]) for it in items]
+    if len(items) != len(ids):
+        raise ValueError(f"{len(ids)} output ids but {len(items)} log-probs")
+    finish = meta.get("finish_reason") or {}
+    kind = finish.get("type", "stop") if isinstance(finish, dict) else str(finish)
+    return EngineResult([int(i) for i in ids], [float(it[0]) for it in items], kind, meta)
+
+
+def _error_message(text: str) -> str:
+    """The message of an SGLang error answer (`{"error": {"message": ...}}`, or FastAPI's `{"detail": ...}`)."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text
+    if isinstance(body, dict):
+        err = body.get("error")
+        msg = err.get("message") if isinstance(err, dict) else body.get("message", body.get("detail"))
+        if isinstance(msg, str):
+            return msg
+    return text

@@ -1,47 +1,59 @@
 """The agent gateway: OpenAI (chat completions, Responses) and Anthropic (messages) APIs served from SGLang's
-`/generate` with exact token capture, per-session credentials and an admin API.
+`/generate` with exact token capture, per-session credentials and an admin API (all described for users in
+docs/agent.md).
 
 Embeddable (a rollout function starts one on its own event loop with `start()`) or run as `slime gateway`.
-Routes match on the path *suffix*, so any base-URL prefix works (agent-clients.md checklist 1). Client
-mistakes get 4xx and never 5xx, because Claude Code retries 5xx for over a minute.
+Routes match on the path *suffix*, so any base-URL prefix a client adds (`/v1`, `/api/v1`, none) works.
+Client mistakes get 4xx and never 5xx, because Claude Code retries 5xx for over a minute; error bodies take
+the shape of the API asked (`slime.agent.api.error_body`) and never name the engine's address.
 
 Credentials: `Authorization: Bearer <api_key>` or `x-api-key: <api_key>` (the real clients differ), or the
 key as path prefix `/s/<api_key>/...` (the `base_url` the admin API returns, for clients that cannot set a
-key), or `/sessions/<session_id>/...` together with the key in a header.
+key), or `/sessions/<session_id>/...` together with the key in a header. A key is never logged: paths are
+masked before they reach a log line.
 
 Each turn: route the request to one of the session's chains and build its prompt ids (`slime.agent.chains`,
-`slime.agent.sessions`) under the session lock, generate without holding it, then record the engine's ids and
+`slime.agent.prompts`) under the session lock, generate without holding it, then record the engine's ids and
 log-probs under the lock again. The store (`--agent-store`) may be shared by several gateway processes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hmac
 import json
 import logging
 import re
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Collection
-from dataclasses import dataclass
+from collections.abc import Collection
 from typing import Any
 
 from aiohttp import web
 
+from slime.agent import anthropic_api, openai_api
+from slime.agent.api import (
+    ADMIN,
+    ANTHROPIC,
+    OPENAI,
+    Handler,
+    TurnResult,
+    error_body,
+    error_response,
+    parse_json_body,
+    public_error,
+    sampling_defaults,
+    send,
+    sse_of,
+)
 from slime.agent.chains import RequestHints, register_subagent_calls, route
 from slime.agent.engine_client import EngineClient, EngineError
 from slime.agent.messages import BadRequest, message_hash
-from slime.agent.parsing import ParsedOutput, parse_model_output
-from slime.agent.sessions import (
-    ChainTurn,
-    PromptBuilder,
-    Session,
-    SessionStore,
-    StoreError,
-    canonical_assistant,
-    open_store,
-    parsed_to_message,
-)
+from slime.agent.parsing import parse_model_output
+from slime.agent.prompts import PromptBuilder, canonical_assistant, parsed_to_message
+from slime.agent.session import ChainTurn, Session
+from slime.agent.stores import SessionStore, StoreError, id_shaped, open_store
 from slime.agent.trajectory import TokenSegment, TurnRecord, segment_to_json
 
 logger = logging.getLogger(__name__)
@@ -51,77 +63,36 @@ DEFAULT_MAX_NEW_TOKENS = 4096
 FINISH_WAIT_S = 5.0
 _KEY_PREFIX = re.compile(r"^/s/([^/]+)(/.*)?$")
 _SID_PREFIX = re.compile(r"^/sessions/([^/]+)(/.*)?$")
-
-Handler = Callable[["Gateway", web.Request, Session, dict[str, Any]], Awaitable[web.StreamResponse]]
-
-
-@dataclass
-class TurnResult:
-    rid: str
-    parsed: ParsedOutput
-    finish_reason: str  # stop | length
-    prompt_tokens: int
-    completion_tokens: int
+ROUTES: list[tuple[str, Handler]] = [
+    ("/chat/completions", openai_api.chat_completions),
+    ("/responses", openai_api.responses),
+    ("/messages/count_tokens", anthropic_api.count_tokens),
+    ("/messages", anthropic_api.messages),
+]
 
 
-def _int_field(body: dict[str, Any], name: str) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise BadRequest(f"{name}: must be a positive integer")
-    return v
+def api_of(path: str) -> str:
+    """Which API a path belongs to, for the shape of its error answers."""
+    if path.startswith("/admin/"):
+        return ADMIN
+    return ANTHROPIC if path.endswith(("/messages", "/messages/count_tokens")) else OPENAI
 
 
-def _num_field(body: dict[str, Any], name: str) -> float | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise BadRequest(f"{name}: must be a number")
-    return float(v)
+def masked(path: str) -> str:
+    """The path with a key prefix (`/s/<api_key>/...`) masked: what may stand in a log line or an answer."""
+    return _KEY_PREFIX.sub(lambda m: "/s/***" + (m.group(2) or ""), path)
 
 
-def _stop_field(body: dict[str, Any], name: str) -> list[str] | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, str):
-        return [v]
-    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-        raise BadRequest(f"{name}: must be a string or a list of strings")
-    return v
-
-
-def request_params(body: dict[str, Any], *, max_tokens: str, stop: str) -> dict[str, Any]:
-    """Client sampling knobs, validated; the session's own defaults win over them later."""
-    out: dict[str, Any] = {}
-    if (v := _int_field(body, max_tokens)) is not None:
-        out["max_new_tokens"] = v
-    if max_tokens != "max_completion_tokens" and (v := _int_field(body, "max_completion_tokens")) is not None:
-        out["max_new_tokens"] = v
-    for name in ("temperature", "top_p"):
-        if (v := _num_field(body, name)) is not None:
-            out[name] = v
-    if (v := _num_field(body, "top_k")) is not None:
-        out["top_k"] = int(v)
-    if (v := _stop_field(body, stop)) is not None:
-        out["stop"] = v
-    return out
-
-
-def error_response(status: int, message: str, *, anthropic: bool = False) -> web.Response:
-    if anthropic:
-        kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large"}.get(
-            status, "invalid_request_error"
-        )
-        body: dict[str, Any] = {"type": "error", "error": {"type": kind, "message": message}}
-    else:
-        body = {"error": {"message": message, "type": "invalid_request_error", "code": status}}
-    return web.json_response(body, status=status)
+def same_secret(given: str | None, expected: str | None) -> bool:
+    """Constant-time comparison (a credential check must not leak how much of a guess was right)."""
+    if not given or not expected:
+        return False
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode("utf-8", "surrogatepass"))
 
 
 class Gateway:
+    """One gateway: its HTTP app, its engine client, its session store, and the turns it has in flight."""
+
     def __init__(
         self,
         tokenizer: Any,
@@ -331,14 +302,6 @@ class Gateway:
 
     # ---- HTTP ------------------------------------------------------------------------------------------
     def _build_app(self) -> web.Application:
-        from slime.agent import anthropic_api, openai_api
-
-        self.routes: list[tuple[str, Handler]] = [
-            ("/chat/completions", openai_api.chat_completions),
-            ("/responses", openai_api.responses),
-            ("/messages/count_tokens", anthropic_api.count_tokens),
-            ("/messages", anthropic_api.messages),
-        ]
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors])
         app.router.add_post("/admin/sessions", self._admin_create)
         app.router.add_get("/admin/sessions/{sid}", self._admin_get)
@@ -348,16 +311,32 @@ class Gateway:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        anthropic = "/messages" in request.path
+        """Every error becomes an answer in the API's own shape: in-band once an event stream started."""
         try:
             return await handler(request)
-        except BadRequest as e:
-            return error_response(e.status, str(e), anthropic=anthropic)
-        except (EngineError, StoreError) as e:
-            logger.warning("%s on %s: %s", type(e).__name__, request.path, e)
-            return error_response(e.status, str(e), anthropic=anthropic)
-        except web.HTTPRequestEntityTooLarge:
-            return error_response(413, f"request body over {self.max_body_bytes} bytes", anthropic=anthropic)
+        except web.HTTPException as e:  # aiohttp's own: 413 from reading the body, 405, ...
+            if e.status < 400:
+                raise
+            status = e.status
+            message = f"request body over {self.max_body_bytes} bytes" if status == 413 else e.reason
+        except ConnectionResetError:  # the client went away mid-answer: nobody to tell
+            logger.debug("client of %s went away", masked(request.path))
+            stream = sse_of(request)  # (a response is a mapping: an empty one is falsy)
+            return stream if stream is not None else web.Response(status=499)
+        except Exception as e:
+            status, message = public_error(e)
+            if isinstance(e, (EngineError, StoreError)):
+                logger.warning("%s on %s: %s", type(e).__name__, masked(request.path), getattr(e, "detail", e))
+            elif status >= 500:
+                logger.exception("unexpected error on %s %s", request.method, masked(request.path))
+        api = api_of(request.path)
+        stream = sse_of(request)
+        if stream is None:
+            return error_response(api, status, message)
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await send(stream, error_body(api, status, message), event="error")
+            await stream.write_eof()
+        return stream
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         path = request.path
@@ -369,16 +348,16 @@ class Gateway:
             return web.json_response(
                 {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "slime"}]}
             )
-        for suffix, handler in self.routes:
+        for suffix, handler in ROUTES:
             if path.endswith(suffix):
                 if request.method != "POST":
-                    raise BadRequest(f"{path}: use POST", status=405)
+                    raise BadRequest(f"{masked(path)}: use POST", status=405)
                 session = await self._authenticate(request)
                 body = await self._json_body(request)
                 if self.request_log:
                     self._log_request(request, body)
                 return await handler(self, request, session, body)
-        raise BadRequest(f"no route for {request.method} {path}", status=404)
+        raise BadRequest(f"no route for {request.method} {masked(path)}", status=404)
 
     async def _authenticate(self, request: web.Request) -> Session:
         path = request.path
@@ -387,57 +366,52 @@ class Gateway:
         if auth[:7].lower() == "bearer ":
             header_key = auth[7:].strip() or header_key
         if m := _KEY_PREFIX.match(path):
-            s = await self.store.by_api_key(m.group(1))
+            s = await self.store.by_api_key(m.group(1)) if id_shaped(m.group(1)) else None
             if s is None:
                 raise BadRequest("invalid API key", status=401)
         elif m := _SID_PREFIX.match(path):
-            s = await self.store.get(m.group(1))
-            if s is None:
-                raise BadRequest(f"unknown session {m.group(1)!r}", status=404)
-            if header_key != s.api_key:
+            s = await self._session_or_404(m.group(1))
+            if not same_secret(header_key, s.api_key):
                 raise BadRequest("missing or wrong API key for this session", status=401)
         else:
             if not header_key:
                 raise BadRequest("missing API key (Authorization: Bearer or x-api-key)", status=401)
-            s = await self.store.by_api_key(header_key)
+            s = await self.store.by_api_key(header_key) if id_shaped(header_key) else None
             if s is None:
                 raise BadRequest("invalid API key", status=401)
         if s.finished:
             raise BadRequest(f"session {s.session_id} is finished", status=409)
         return s
 
+    async def _session_or_404(self, sid: str) -> Session:
+        s = await self.store.get(sid) if id_shaped(sid) else None
+        if s is None:  # the id is echoed only when it has the shape of one of ours (never a client's junk)
+            raise BadRequest(f"unknown session {sid!r}" if id_shaped(sid) else "unknown session", status=404)
+        return s
+
     def _log_request(self, request: web.Request, body: dict[str, Any]) -> None:
         """Captures of real clients (how `tests/fixtures/agent/` was recorded); credentials never written."""
         secret = {"authorization", "x-api-key", "cookie"}
         headers = {k: v for k, v in request.headers.items() if k.lower() not in secret}
-        path = _KEY_PREFIX.sub(lambda m: "/s/***" + (m.group(2) or ""), request.path_qs)
-        rec = {"time": time.time(), "method": request.method, "path": path, "headers": headers, "body": body}
+        rec = {"time": time.time(), "method": request.method, "path": masked(request.path_qs), "headers": headers}
+        rec["body"] = body
         with open(self.request_log, "a") as f:  # type: ignore[arg-type]
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
 
     async def _json_body(self, request: web.Request) -> dict[str, Any]:
-        raw = await request.read()  # raises 413 past client_max_size
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise BadRequest(f"body: invalid JSON ({e})") from e
-        if not isinstance(body, dict):
-            raise BadRequest("body: must be a JSON object")
-        return body
+        return parse_json_body(await request.read())  # read() raises 413 past client_max_size
 
     # ---- admin -----------------------------------------------------------------------------------------
     def _check_admin(self, request: web.Request) -> None:
         auth = request.headers.get("Authorization", "")
         token = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-admin-token")
-        if not self.admin_token or token != self.admin_token:
+        if not same_secret(token, self.admin_token):
             raise BadRequest("admin token required", status=401)
 
     async def _admin_create(self, request: web.Request) -> web.Response:
         self._check_admin(request)
         body = await self._json_body(request) if request.can_read_body else {}
-        defaults = body.get("sampling_defaults") or {}
-        if not isinstance(defaults, dict):
-            raise BadRequest("sampling_defaults: must be an object")
+        defaults = sampling_defaults(body.get("sampling_defaults"))
         ctx = body.get("max_context_tokens", 0) or 0
         if isinstance(ctx, bool) or not isinstance(ctx, int) or ctx < 0:
             raise BadRequest("max_context_tokens: must be a non-negative integer")
@@ -448,10 +422,7 @@ class Gateway:
 
     async def _admin_session(self, request: web.Request) -> Session:
         self._check_admin(request)
-        s = await self.store.get(request.match_info["sid"])
-        if s is None:
-            raise BadRequest(f"unknown session {request.match_info['sid']!r}", status=404)
-        return s
+        return await self._session_or_404(request.match_info["sid"])
 
     async def _admin_get(self, request: web.Request) -> web.Response:
         return web.json_response((await self._admin_session(request)).info())

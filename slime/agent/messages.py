@@ -1,9 +1,9 @@
 """Protocol requests (OpenAI chat / Responses, Anthropic messages) -> chat-template messages and tool schemas.
 
 Only what the chat template renders survives the translation: ids, `cache_control` markers, metadata and
-hosted tools are dropped, and Claude Code's per-request billing line is removed from the system prompt
-(agent-clients.md §1 pitfalls), so an unchanged history hashes the same on every request and new / append /
-wipe can be decided by comparing message hashes. Template messages are plain dicts:
+hosted tools are dropped, and Claude Code's billing line (`x-anthropic-billing-header: ...`, which changes on
+every request) is removed from the system prompt, so an unchanged history hashes the same on every request
+and new / append / wipe can be decided by comparing message hashes. Template messages are plain dicts:
 ``{"role": system|user|assistant|tool, "content": str, "tool_calls"?: [...], "reasoning_content"?: str}``.
 """
 
@@ -157,7 +157,9 @@ def responses_tools(tools: Any) -> tuple[list[dict[str, Any]], set[str]]:
             out.append(_function_schema(t.get("name"), t.get("description"), params, f))
             custom.add(t["name"])
         elif kind == "namespace":
-            for j, sub in enumerate(t.get("tools") or []):
+            subs = t.get("tools") or []
+            _expect(isinstance(subs, list), f"{f}.tools", "must be a list")
+            for j, sub in enumerate(subs):
                 add(sub, f"{f}.tools[{j}]")
         # hosted tools (web_search, tool_search, file_search, ...) cannot run here: dropped
 

@@ -1,58 +1,27 @@
 """OpenAI chat completions and Responses: request translation and answer shapes (JSON and SSE).
 
-Shapes follow what openai 3.57 / openai-agents 0.24 / Codex 0.171 parse (agent-clients.md §2-4): chat
-chunks `chat.completion.chunk` (role delta first, tool-call deltas with index/id/name then arguments, final
+Shapes follow what the openai Python SDK 3.57, openai-agents 0.24 and Codex 0.171 parse (their stream
+readers, and https://platform.openai.com/docs/api-reference/chat-streaming and
+https://platform.openai.com/docs/api-reference/responses-streaming): chat chunks `chat.completion.chunk` (role delta first, tool-call deltas with index/id/name then arguments, final
 chunk with finish_reason, optional usage chunk, `[DONE]`); Responses events `response.created`,
 `response.output_item.added/done`, `response.content_part.added/done`, `response.output_text.delta/done`,
 `response.function_call_arguments.delta/done`, `response.completed`. The SSE preamble is sent before the
-engine is called, so a client that drops the stream cancels (and aborts) the generation.
+engine is called, so a client that drops the stream cancels (and aborts) the generation; an error after it
+is sent in-band by the gateway as an `error` event carrying the OpenAI error object.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
+from slime.agent.api import TurnResult, TurnRunner, open_sse, request_params, send
 from slime.agent.chains import chat_hints, responses_hints
-from slime.agent.messages import (
-    BadRequest,
-    openai_chat_messages,
-    openai_chat_tools,
-    responses_messages,
-    responses_tools,
-)
-
-if TYPE_CHECKING:
-    from slime.agent.gateway import Gateway, TurnResult
-    from slime.agent.sessions import Session
-
-
-async def open_sse(request: web.Request) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    return resp
-
-
-async def send(resp: web.StreamResponse, data: dict[str, Any] | str, event: str | None = None) -> None:
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    head = f"event: {event}\n" if event else ""
-    await resp.write(f"{head}data: {payload}\n\n".encode())
-
-
-async def _stream_errors(resp: web.StreamResponse, gw: Gateway, coro: Any) -> TurnResult | None:
-    """Run the turn; once SSE has started an error can only be reported in-band."""
-    from slime.agent.engine_client import EngineError
-    from slime.agent.sessions import StoreError
-
-    try:
-        return await coro
-    except (BadRequest, EngineError, StoreError) as e:
-        await send(resp, {"error": {"message": str(e), "code": getattr(e, "status", 500)}}, event="error")
-        await resp.write_eof()
-        return None
+from slime.agent.messages import openai_chat_messages, openai_chat_tools, responses_messages, responses_tools
+from slime.agent.session import Session
 
 
 def _tool_args_json(args: dict[str, Any]) -> str:
@@ -89,9 +58,9 @@ def _chat_tool_calls(r: TurnResult) -> list[dict[str, Any]]:
     ]
 
 
-async def chat_completions(gw: Gateway, request: web.Request, s: Session, body: dict[str, Any]) -> web.StreamResponse:
-    from slime.agent.gateway import request_params
-
+async def chat_completions(
+    gw: TurnRunner, request: web.Request, s: Session, body: dict[str, Any]
+) -> web.StreamResponse:
     messages = openai_chat_messages(body.get("messages"))
     tools = openai_chat_tools(body.get("tools"))
     params = request_params(body, max_tokens="max_tokens", stop="stop")
@@ -134,9 +103,7 @@ async def chat_completions(gw: Gateway, request: web.Request, s: Session, body: 
         }
 
     await send(resp, chunk({"role": "assistant", "content": ""}))
-    r = await _stream_errors(resp, gw, gw.run_turn(s, messages, tools, params, rid, hints))
-    if r is None:
-        return resp
+    r = await gw.run_turn(s, messages, tools, params, rid, hints)  # an error now goes in-band (the gateway's)
     if r.parsed.reasoning:
         await send(resp, chunk({"reasoning_content": r.parsed.reasoning}))
     if r.parsed.text:
@@ -250,9 +217,7 @@ def _finish_response(obj: dict[str, Any], r: TurnResult, items: list[dict[str, A
     return obj
 
 
-async def responses(gw: Gateway, request: web.Request, s: Session, body: dict[str, Any]) -> web.StreamResponse:
-    from slime.agent.gateway import request_params
-
+async def responses(gw: TurnRunner, request: web.Request, s: Session, body: dict[str, Any]) -> web.StreamResponse:
     messages = responses_messages(body)
     tools, custom = responses_tools(body.get("tools"))
     params = request_params(body, max_tokens="max_output_tokens", stop="stop")
@@ -275,9 +240,7 @@ async def responses(gw: Gateway, request: web.Request, s: Session, body: dict[st
     obj = _response_obj(rid, model, created, body, "in_progress")
     await event("response.created", response=obj)
     await event("response.in_progress", response=obj)
-    r = await _stream_errors(resp, gw, gw.run_turn(s, messages, tools, params, rid, hints))
-    if r is None:
-        return resp
+    r = await gw.run_turn(s, messages, tools, params, rid, hints)  # an error now goes in-band (the gateway's)
     items = _response_items(r, custom)
     for idx, item in enumerate(items):
         shell = dict(item, status="in_progress")

@@ -1,7 +1,7 @@
 """Turning one agent trajectory into training samples.
 
 `merge_turns` folds the engine calls of one conversation chain (`TurnRecord`s: the exact prompt ids sent,
-the sampled ids and log-probs) into token segments by exact token-prefix matching (spec §8.1): sampled
+the sampled ids and log-probs) into token segments by exact token-prefix matching: sampled
 tokens are trained (mask 1), everything the client or the template added in between (tool results, user
 turns, template glue) is context (mask 0). When a later prompt no longer reproduces an earlier output
 token for token (re-tokenisation drift), that output span is masked out: a target the model did not sample
@@ -9,7 +9,8 @@ in exactly this context would teach it the wrong thing.
 
 `fan_out_sample_segments` then emits one `Sample` per segment (sub-agent calls, pre/post context compaction)
 while keeping them one training group. The loss normaliser treats the group as one long sample split into
-segments (spec §5.3), and GRPO statistics count the trajectory once (spec §5.4).
+segments (`slime/scheduling/denominators.py`), and GRPO statistics count the trajectory once
+(`slime/algorithms/advantages.py`).
 """
 
 from __future__ import annotations

@@ -9,11 +9,11 @@ Set SLIME_RECAPTURE_FIXTURES=1 to rewrite the committed Claude Code captures in 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
 import subprocess
-import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from slime.agent.embedded import get_embedded_gateway, stop_embedded_gateway
 from slime.agent.gateway import Gateway
 from slime.agent.harness import claude_code, codex
 from slime.agent.harness.cli import find_cli
+from slime.arguments import default_args
 from slime.utils.async_utils import run
 from slime.utils.types import Sample, Status
 
@@ -102,7 +103,7 @@ class Stack:
     def __init__(self, ckpt: Path, log: Path, port: int, tmp: Path) -> None:
         self.ckpt, self.log, self.port, self.tmp = ckpt, log, port, tmp
 
-    def args(self, **kw: Any) -> types.SimpleNamespace:
+    def args(self, **kw: Any) -> argparse.Namespace:
         base = dict(
             hf_checkpoint=str(self.ckpt),
             sglang_router_ip="127.0.0.1",
@@ -111,11 +112,9 @@ class Stack:
             rollout_max_context_len=32768,
             custom_rm_path=f"{__name__}.workspace_rm",
             agent_timeout=120.0,
-            agent_tools=None,
-            agent_aux_model="slime-small-fast",
             agent_cli_concurrency=4,
         )
-        return types.SimpleNamespace(**{**base, **kw})
+        return default_args(**{**base, **kw})
 
     def engine_calls(self, sid: str) -> list[dict[str, Any]]:
         recs = [json.loads(line) for line in self.log.read_text().splitlines()]

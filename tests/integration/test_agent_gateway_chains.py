@@ -18,7 +18,7 @@ import pytest
 from sim.fake_sglang.testing import launch_fake_sglang
 from slime.agent.gateway import Gateway
 from slime.agent.harness.cli import trainable
-from slime.agent.redis_store import RedisSessionStore
+from slime.agent.stores import RedisSessionStore
 from slime.utils.async_utils import run
 
 pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("cluster")]

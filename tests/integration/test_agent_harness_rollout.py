@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -66,11 +66,11 @@ def stack(tmp_path: Path) -> Iterator[tuple[int, Path, Path]]:
             stop_process(p)
 
 
-def test_openai_sdk_harness_through_default_rollout(tmp_path: Path, stack) -> None:
+def test_openai_sdk_harness_through_default_rollout(tmp_path: Path, stack, make_args: Callable[..., Any]) -> None:
     rport, ckpt, log = stack
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps({"input": f"compute 2+3 (#{i})", "label": "5"}) + "\n" for i in range(3)))
-    args = types.SimpleNamespace(
+    args = make_args(
         prompt_data=str(data),
         label_key="label",
         hf_checkpoint=str(ckpt),
@@ -85,7 +85,6 @@ def test_openai_sdk_harness_through_default_rollout(tmp_path: Path, stack) -> No
         custom_rm_path=f"{__name__}.label_rm",
         agent_harness="openai-sdk",
         agent_max_turns=4,
-        custom_generate_function_path=None,
     )
     resolve_agent_args(args)
     assert args.custom_generate_function_path == "slime.agent.harness.openai_sdk.generate"

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from slime.agent.chains import RequestHints, register_subagent_calls, route
 from slime.agent.parsing import ParsedOutput, ToolCall
-from slime.agent.redis_store import RedisSessionStore
-from slime.agent.sessions import ChainTurn, InMemorySessionStore, SessionStore, state_to_json
+from slime.agent.session import ChainTurn, state_to_json
+from slime.agent.stores import InMemorySessionStore, RedisSessionStore, SessionStore
 from slime.agent.trajectory import TurnRecord
 from slime.utils.async_utils import run
 

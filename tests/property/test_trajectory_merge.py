@@ -1,4 +1,4 @@
-"""Property tests of `merge_turns` (spec §8.1): exact prefix merging, and conservative masking under drift.
+"""Property tests of `merge_turns`: exact prefix merging, and conservative masking under drift.
 
 Model of an agent chain: turn k's prompt is P0 + r(O1) + T1 + ... + r(Ok-1) + Tk-1, where Oj is what the
 engine sampled at turn j, Tj the tool / template tokens added after it and r(Oj) its rendering in later

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import types
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -13,26 +14,37 @@ from slime.utils.errors import SlimeArgError
 pytestmark = pytest.mark.cpu
 
 
-def test_harness_sets_generate_function() -> None:
-    a = types.SimpleNamespace(agent_harness="openai-sdk", custom_generate_function_path=None, agent_max_turns=4)
+def test_harness_sets_generate_function(make_args: Callable[..., Any]) -> None:
+    a = make_args(agent_harness="openai-sdk")
     resolve_agent_args(a)
     assert a.custom_generate_function_path == "slime.agent.harness.openai_sdk.generate"
-    none = types.SimpleNamespace(agent_harness=None, custom_generate_function_path="x.y")
+    none = make_args(custom_generate_function_path="x.y")
     resolve_agent_args(none)
     assert none.custom_generate_function_path == "x.y"
+
+
+def test_agent_flag_defaults_live_in_the_parser(make_args: Callable[..., Any]) -> None:
+    a = make_args()
+    assert (a.agent_max_turns, a.agent_timeout, a.agent_cli_concurrency) == (4, 600.0, 8)
+    assert (a.agent_tools, a.agent_aux_model, a.agent_codex_sandbox) == (
+        "Bash,Read,Edit,Write",
+        "slime-small-fast",
+        "workspace-write",
+    )
+    assert (a.agent_gateway_host, a.agent_gateway_port, a.agent_model_name) == ("127.0.0.1", 0, "slime-policy")
 
 
 @pytest.mark.parametrize(
     "kw",
     [
-        {"agent_harness": "nope", "custom_generate_function_path": None, "agent_max_turns": 4},
-        {"agent_harness": "openai-sdk", "custom_generate_function_path": "my.gen", "agent_max_turns": 4},
-        {"agent_harness": "openai-sdk", "custom_generate_function_path": None, "agent_max_turns": 0},
+        {"agent_harness": "nope"},
+        {"agent_harness": "openai-sdk", "custom_generate_function_path": "my.gen"},
+        {"agent_harness": "openai-sdk", "agent_max_turns": 0},
     ],
 )
-def test_harness_errors(kw: dict) -> None:
+def test_harness_errors(kw: dict, make_args: Callable[..., Any]) -> None:
     with pytest.raises(SlimeArgError):
-        resolve_agent_args(types.SimpleNamespace(**kw))
+        resolve_agent_args(make_args(**kw))
 
 
 def test_tools_are_safe_and_total() -> None:

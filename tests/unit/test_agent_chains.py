@@ -18,7 +18,7 @@ from slime.agent.chains import (
     route,
 )
 from slime.agent.parsing import ParsedOutput, ToolCall
-from slime.agent.sessions import MAIN, ChainTurn, Session
+from slime.agent.session import MAIN, ChainTurn, Session
 from slime.agent.trajectory import TurnRecord
 
 pytestmark = pytest.mark.cpu

@@ -8,8 +8,9 @@ import json
 import os
 import tempfile
 import tomllib
-import types
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,8 +25,8 @@ pytestmark = pytest.mark.cpu
 
 
 @pytest.mark.parametrize("name", ["claude-code", "codex"])
-def test_cli_harnesses_resolve(name: str) -> None:
-    a = types.SimpleNamespace(agent_harness=name, custom_generate_function_path=None, agent_max_turns=4)
+def test_cli_harnesses_resolve(name: str, make_args: Callable[..., Any]) -> None:
+    a = make_args(agent_harness=name)
     resolve_agent_args(a)
     assert a.custom_generate_function_path == f"slime.agent.harness.{name.replace('-', '_')}.generate"
 
@@ -38,8 +39,8 @@ def test_cli_harnesses_resolve(name: str) -> None:
         {"agent_cli_concurrency": -1},
     ],
 )
-def test_agent_flag_errors(kw: dict) -> None:
-    a = types.SimpleNamespace(agent_harness="codex", custom_generate_function_path=None, agent_max_turns=4, **kw)
+def test_agent_flag_errors(kw: dict, make_args: Callable[..., Any]) -> None:
+    a = make_args(agent_harness="codex", **kw)
     with pytest.raises(SlimeArgError):
         resolve_agent_args(a)
 
@@ -84,10 +85,10 @@ def test_workspace_seeds_files_and_refuses_escapes(monkeypatch: pytest.MonkeyPat
     assert task_prompt(Sample(prompt=[{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])) == "u"
 
 
-def test_claude_code_env_and_command() -> None:
+def test_claude_code_env_and_command(make_args: Callable[..., Any]) -> None:
     ws = Workspace.create(Sample(index=0, prompt="p"))
     try:
-        args = types.SimpleNamespace(agent_aux_model="aux", agent_tools=None, agent_cli_args="--max-turns 5")
+        args = make_args(agent_aux_model="aux", agent_cli_args="--max-turns 5")
         env = claude_code.claude_env(args, {"base_url": "http://gw/s/k", "api_key": "k"}, ws, 60)
         assert env["ANTHROPIC_BASE_URL"] == "http://gw/s/k" and env["ANTHROPIC_AUTH_TOKEN"] == "k"
         assert env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1" and env["ANTHROPIC_SMALL_FAST_MODEL"] == "aux"

@@ -10,8 +10,8 @@ import json
 import fakeredis
 import pytest
 
-from slime.agent.redis_store import RedisSessionStore
-from slime.agent.sessions import MAIN, ChainTurn, InMemorySessionStore, StoreError, open_store
+from slime.agent.session import MAIN, ChainTurn
+from slime.agent.stores import InMemorySessionStore, RedisSessionStore, StoreError, open_store
 from slime.agent.trajectory import TurnRecord
 from slime.utils.async_utils import run
 

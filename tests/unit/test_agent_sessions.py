@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from slime.agent.parsing import parse_model_output
-from slime.agent.sessions import MAIN, ChainTurn, PromptBuilder, Session, canonical_assistant, parsed_to_message
+from slime.agent.prompts import PromptBuilder, canonical_assistant, parsed_to_message
+from slime.agent.session import MAIN, ChainTurn, Session
 from slime.agent.trajectory import TurnRecord
 
 pytestmark = pytest.mark.cpu

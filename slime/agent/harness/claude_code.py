@@ -1,7 +1,7 @@
 """`--agent-harness claude-code`: each sample is one real Claude Code (npm `@anthropic-ai/claude-code@2.1.197`)
 episode, `claude -p <prompt> --output-format stream-json`, against the sample's gateway session.
 
-Configuration (agent-clients.md §1): `ANTHROPIC_BASE_URL` = the session's base URL (its key is the path
+Configuration (what each setting is for: docs/agent.md, "Claude Code"): `ANTHROPIC_BASE_URL` = the session's base URL (its key is the path
 prefix) and `ANTHROPIC_AUTH_TOKEN` = its key; `CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1` (no title side
 request, no outbound lookups); `CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK=1` (a failed stream is never
 re-generated without streaming); `--dangerously-skip-permissions` with `IS_SANDBOX=1` when running as root;
@@ -33,16 +33,13 @@ from slime.agent.harness.cli import (
 )
 from slime.utils.types import Sample
 
-DEFAULT_TOOLS = "Bash,Read,Edit,Write"
-DEFAULT_AUX_MODEL = "slime-small-fast"
-
 
 def claude_env(args: Any, sess: dict[str, str], ws: Workspace, timeout_s: float) -> dict[str, str]:
     env = base_env(ws)
     env.update(
         ANTHROPIC_BASE_URL=sess["base_url"],
         ANTHROPIC_AUTH_TOKEN=sess["api_key"],
-        ANTHROPIC_SMALL_FAST_MODEL=getattr(args, "agent_aux_model", None) or DEFAULT_AUX_MODEL,
+        ANTHROPIC_SMALL_FAST_MODEL=args.agent_aux_model,
         CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
         CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK="1",
         CLAUDE_CODE_MAX_RETRIES="2",
@@ -58,7 +55,7 @@ def claude_env(args: Any, sess: dict[str, str], ws: Workspace, timeout_s: float)
 
 def claude_command(args: Any, binary: str, model: str, prompt: str, *, cont: bool = False) -> list[str]:
     cmd = [binary, "-p", prompt, "--output-format", "stream-json", "--verbose", "--model", model]
-    cmd += ["--dangerously-skip-permissions", "--tools", getattr(args, "agent_tools", None) or DEFAULT_TOOLS]
+    cmd += ["--dangerously-skip-permissions", "--tools", args.agent_tools]
     if cont:
         cmd.append("--continue")
     return cmd + extra_cli_args(args)
@@ -86,7 +83,7 @@ def read_stream(stdout: str, ep: Episode) -> None:
 async def run_claude(
     args: Any, gw: Gateway, sess: dict[str, str], sample: Sample, ws: Workspace, timeout_s: float
 ) -> Episode:
-    binary = find_cli("claude", getattr(args, "agent_cli_prefix", None))
+    binary = find_cli("claude", args.agent_cli_prefix)
     env = claude_env(args, sess, ws, timeout_s)
     prompts = [task_prompt(sample)] + [str(p) for p in sample.metadata.get("agent_follow_ups") or []]
     ep = Episode()

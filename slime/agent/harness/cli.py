@@ -23,7 +23,6 @@ import logging
 import os
 import shlex
 import shutil
-import signal
 import tempfile
 import time
 import weakref
@@ -34,18 +33,18 @@ from typing import Any
 
 from slime.agent.embedded import get_embedded_gateway
 from slime.agent.gateway import Gateway
-from slime.agent.sessions import AUX_KIND
+from slime.agent.session import AUX_KIND
 from slime.agent.trajectory import TokenSegment, fan_out_sample_segments
+from slime.utils.process import die_with_parent, stop_async, wait_exited
 from slime.utils.types import Sample, Status
 
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_PREFIX = REPO_ROOT / ".agent-clis"
-DEFAULT_TIMEOUT_S = 600.0
 KILL_GRACE_S = 3.0
 EPISODE_MARKER = "SLIME_AGENT_EPISODE"
-# where the npm packages put their native binaries (agent-clients.md: "how installed"), any Linux arch
+# where the npm packages (installed by ci/agent_clis.sh) put their native binaries, any Linux arch
 CLI_BINARIES = {
     "claude": ("SLIME_CLAUDE_BIN", "node_modules/@anthropic-ai/claude-code-linux-*/claude"),
     "codex": ("SLIME_CODEX_BIN", "node_modules/@openai/codex-linux-*/vendor/*-unknown-linux-musl/bin/codex"),
@@ -81,11 +80,6 @@ class CliRun:
     seconds: float
 
 
-def _signal_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
 def _reap_marked(marker: str) -> int:
     """Kill every process carrying this episode's marker in its environment: tools that left the CLI's
     process group (setsid, daemonised servers) still inherit the environment."""
@@ -100,24 +94,10 @@ def _reap_marked(marker: str) -> int:
     return n
 
 
-async def _exited(proc: asyncio.subprocess.Process, timeout_s: float) -> bool:
-    """Whether the process itself exited within `timeout_s`. Polls the return code: `proc.wait()` also waits
-    for the pipes to close, which a tool that inherited them and kept running would hold open."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while proc.returncode is None:
-        if asyncio.get_running_loop().time() > deadline:
-            return False
-        await asyncio.sleep(0.02)
-    return True
-
-
-async def _stop_group(proc: asyncio.subprocess.Process, marker: str | None) -> None:
-    """SIGTERM the CLI's process group, SIGKILL what is left after a grace period, then reap escapees."""
-    if proc.returncode is None:
-        _signal_group(proc.pid, signal.SIGTERM)
-        await _exited(proc, KILL_GRACE_S)
-    _signal_group(proc.pid, signal.SIGKILL)  # also tools the CLI left running in the background
-    await _exited(proc, KILL_GRACE_S)
+async def _stop_episode(proc: asyncio.subprocess.Process, marker: str | None) -> None:
+    """Stop the CLI's process group (`slime.utils.process.stop_async`: SIGTERM, SIGKILL after a grace period,
+    which also takes the tools it left running in the background), then reap what escaped the group."""
+    await stop_async(proc, KILL_GRACE_S)
     if marker and (n := _reap_marked(marker)):
         logger.info("killed %d leftover process(es) of agent episode %s", n, marker)
 
@@ -139,19 +119,19 @@ async def run_cli(cmd: list[str], *, cwd: str, env: dict[str, str], timeout_s: f
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
-        start_new_session=True,
+        preexec_fn=die_with_parent,  # own process group; dies with the rollout process
     )
     out, err = bytearray(), bytearray()
     assert proc.stdout is not None and proc.stderr is not None
     readers = [asyncio.create_task(_pump(proc.stdout, out)), asyncio.create_task(_pump(proc.stderr, err))]
     try:
-        timed_out = not await _exited(proc, timeout_s)
+        timed_out = not await wait_exited(proc, timeout_s)
     except BaseException:
-        await asyncio.shield(_stop_group(proc, marker))
+        await asyncio.shield(_stop_episode(proc, marker))
         for r in readers:
             r.cancel()
         raise
-    await _stop_group(proc, marker)
+    await _stop_episode(proc, marker)
     _, pending = await asyncio.wait(readers, timeout=5.0)  # the pipes close once every holder is gone
     for r in pending:
         r.cancel()
@@ -213,7 +193,7 @@ def base_env(ws: Workspace) -> dict[str, str]:
 
 
 def extra_cli_args(args: Any) -> list[str]:
-    return shlex.split(getattr(args, "agent_cli_args", None) or "")
+    return shlex.split(args.agent_cli_args or "")
 
 
 def task_prompt(sample: Sample) -> str:
@@ -251,21 +231,23 @@ async def run_episode(args: Any, sample: Sample, sampling_params: dict[str, Any]
 
     gw = await get_embedded_gateway(args)
     loop = asyncio.get_running_loop()
-    limit = _limits.setdefault(loop, asyncio.Semaphore(int(getattr(args, "agent_cli_concurrency", None) or 8)))
-    timeout_s = float(getattr(args, "agent_timeout", None) or DEFAULT_TIMEOUT_S)
+    limit = _limits.setdefault(loop, asyncio.Semaphore(args.agent_cli_concurrency))
+    timeout_s = float(args.agent_timeout)
     async with limit:
         ws = Workspace.create(sample)
         ep = Episode(error="not started")
         try:
             sess = await gw.open_session(
                 sampling_defaults=sampling_params,
-                max_context_tokens=int(getattr(args, "rollout_max_context_len", None) or 0),
+                max_context_tokens=args.rollout_max_context_len or 0,  # None: no cap
                 metadata={"index": sample.index},
             )
             try:
                 ep = await runner(args, gw, sess, sample, ws, timeout_s)
             finally:
                 segments = await gw.finish_session(sess["session_id"])
+            if ep.error:  # a CLI's error may quote its base URL, which holds the session key
+                ep.error = ep.error.replace(sess["api_key"], "***")
             segments, num_aux = trainable(segments)
             meta = {
                 "num_tool_calls": ep.num_tool_calls,
@@ -297,7 +279,7 @@ async def run_episode(args: Any, sample: Sample, sampling_params: dict[str, Any]
         sample,
         segments,
         reward,
-        mode=getattr(args, "fan_out_reward", None) or "full",
+        mode=args.fan_out_reward,
         tokenizer=gw.tokenizer,
         metadata=meta,
     )

@@ -1,7 +1,7 @@
 """`--agent-harness codex`: each sample is one real Codex CLI (npm `@openai/codex@0.171.0`) episode,
 `codex exec --json <prompt>`, against the sample's gateway session.
 
-Configuration (agent-clients.md §2), written into a fresh `CODEX_HOME` per episode: a custom model provider
+Configuration (what each setting is for: docs/agent.md, "Codex"), written into a fresh `CODEX_HOME` per episode: a custom model provider
 whose `base_url` is the session's (`wire_api = "responses"`: Codex speaks only the Responses API, always
 streaming), its key in an env var; analytics, plugins, sub-agents, apps and web search off (no outbound
 lookups, a smaller prompt); bounded retries (`request_max_retries`, `stream_max_retries`, and
@@ -124,12 +124,12 @@ def read_events(stdout: str, ep: Episode) -> None:
 async def run_codex(
     args: Any, gw: Gateway, sess: dict[str, str], sample: Sample, ws: Workspace, timeout_s: float
 ) -> Episode:
-    binary = find_cli("codex", getattr(args, "agent_cli_prefix", None))
-    sandbox = getattr(args, "agent_codex_sandbox", None) or "workspace-write"
+    binary = find_cli("codex", args.agent_cli_prefix)
+    sandbox = args.agent_codex_sandbox
     codex_home = ws.home / ".codex"
     codex_home.mkdir()
     catalog = codex_home / "catalog.json"
-    ctx = int(getattr(args, "rollout_max_context_len", None) or 0) or None
+    ctx = args.rollout_max_context_len or None
     entry = catalog_entry(await catalog_template(binary), gw.model_name, ctx)
     catalog.write_text(json.dumps({"models": [entry]}))
     (codex_home / "config.toml").write_text(codex_config(gw.model_name, f"{sess['base_url']}/v1", catalog, timeout_s))

@@ -23,7 +23,6 @@ from slime.utils.types import Sample, Status
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_TURNS = 4
 SYSTEM_PROMPT = "You are a helpful assistant. Use the tools when they help, then give the final answer."
 
 TOOLS: list[dict[str, Any]] = [
@@ -117,11 +116,12 @@ async def generate(
     gw = await get_embedded_gateway(args)
     sess = await gw.open_session(
         sampling_defaults=sampling_params,
-        max_context_tokens=int(getattr(args, "rollout_max_context_len", None) or 0),
+        max_context_tokens=args.rollout_max_context_len or 0,  # None: no cap
         metadata={"index": sample.index},
     )
-    max_turns = int(getattr(args, "agent_max_turns", None) or DEFAULT_MAX_TURNS)
-    client = AsyncOpenAI(base_url=f"{sess['base_url']}/v1", api_key=sess["api_key"], max_retries=0, timeout=None)
+    max_turns = args.agent_max_turns
+    # the key goes in a header, not in the URL (`sess["base_url"]`): httpx logs every URL it calls
+    client = AsyncOpenAI(base_url=f"{gw.public_url}/v1", api_key=sess["api_key"], max_retries=0, timeout=None)
     messages = _initial_messages(sample)
     final, truncated, num_tool_calls, failure = "", False, 0, None
     try:
@@ -140,7 +140,7 @@ async def generate(
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     except (APIStatusError, APIConnectionError) as e:
         # e.g. the rollout aborted the engines: the episode ends here, what was sampled is discarded
-        failure = f"{type(e).__name__}: {e}"
+        failure = f"{type(e).__name__}: {e}".replace(sess["api_key"], "***")
     finally:
         await client.close()
         segments = await gw.finish_session(sess["session_id"])
@@ -156,7 +156,7 @@ async def generate(
         sample,
         segments,
         reward,
-        mode=getattr(args, "fan_out_reward", None) or "full",
+        mode=args.fan_out_reward,
         tokenizer=gw.tokenizer,
         metadata={"num_tool_calls": num_tool_calls, "final_answer": final},
     )

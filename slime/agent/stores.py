@@ -1,13 +1,17 @@
-"""Sessions in Redis (`--agent-store redis://...`): several gateway processes serve one session.
+"""Where sessions live: in this process (`memory`) or in Redis, shared by several gateway processes.
+
+Every change to a session happens inside `store.locked(session_id)`, which yields the current state and
+persists it on exit; generation runs outside the lock, so parallel sub-agents of one session generate
+concurrently.
 
 Why Redis: an agent's requests may land on any gateway process (a load balancer in front of several, or a
 client that reconnects elsewhere), and finish may be called on yet another one. Everything a turn needs
 is therefore shared: the session's settings and routing state, its turn records and its lock.
 
-Layout (prefix `slime:agent:` by default):
+Redis layout (prefix `slime:agent:` by default):
 
 * `s:{sid}` hash: `meta` (credential, sampling defaults, context budget, metadata) and `state` (the routing
-  state of `slime.agent.sessions.state_to_json`: chains as turn-id lists, frozen contexts, pending sub-agent
+  state of `slime.agent.session.state_to_json`: chains as turn-id lists, frozen contexts, pending sub-agent
   calls, in-flight request ids, flags). Small, rewritten on every locked change.
 * `s:{sid}:turns` list: the turn log, append-only (RPUSH), one JSON entry per engine call; a turn's id is
   its position. Routing loads only each live chain's newest entry (LINDEX); finish loads them all.
@@ -26,25 +30,120 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
+import re
 import secrets
 from collections.abc import AsyncIterator
-from typing import Any
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol
 
-from slime.agent.sessions import (
-    Session,
-    StoreError,
-    load_state,
-    new_credentials,
-    state_to_json,
-    turn_from_json,
-    turn_to_json,
-)
+from slime.agent.session import Session, load_state, state_to_json, turn_from_json, turn_to_json
 
-logger = logging.getLogger(__name__)
+_ID_SHAPE = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+class StoreError(Exception):
+    """The session store failed (lock not acquired, lock lost, records missing): the gateway answers 503."""
+
+    status = 503
+
+
+class SessionStore(Protocol):
+    async def create(
+        self, *, sampling_defaults: dict[str, Any], max_context_tokens: int, metadata: dict[str, Any]
+    ) -> Session: ...
+
+    async def get(self, session_id: str) -> Session | None:
+        """A snapshot of the session (flags, routing state); change it only through `locked`."""
+        ...
+
+    async def by_api_key(self, api_key: str) -> Session | None: ...
+
+    def locked(self, session_id: str) -> AbstractAsyncContextManager[Session]:
+        """Exclusive access across every process sharing the store: yields the current state with each live
+        chain's newest turn loaded, and persists it (state + new turns) when the block exits without error.
+        Raises KeyError for an unknown session."""
+        ...
+
+    async def load_turns(self, session: Session) -> None:
+        """Load every turn record into `session.turns` (to build segments)."""
+        ...
+
+    async def remove(self, session_id: str) -> None:
+        """Drop the session's data; keep a tombstone so late requests get 409."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def new_credentials() -> tuple[str, str]:
+    """(session id, API key). Both are URL-safe ASCII, so either can stand in a request path."""
+    return f"sess-{secrets.token_hex(8)}", f"sk-slime-{secrets.token_urlsafe(24)}"
+
+
+def id_shaped(value: str) -> bool:
+    """Whether `value` can be a session id or API key this module handed out: anything else is refused before
+    it reaches a store (a Redis key cannot hold a lone surrogate, and a lookup of junk is wasted work)."""
+    return _ID_SHAPE.fullmatch(value) is not None
+
+
+class InMemorySessionStore:
+    """Sessions of one gateway process. Finished sessions stay as tombstones so late requests get 409."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, Session] = {}
+        self._by_key: dict[str, str] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def create(
+        self, *, sampling_defaults: dict[str, Any], max_context_tokens: int, metadata: dict[str, Any]
+    ) -> Session:
+        sid, key = new_credentials()
+        s = Session(sid, key, dict(sampling_defaults), int(max_context_tokens), dict(metadata))
+        self._by_id[sid] = s
+        self._by_key[key] = sid
+        self._locks[sid] = asyncio.Lock()
+        return s
+
+    async def get(self, session_id: str) -> Session | None:
+        return self._by_id.get(session_id)
+
+    async def by_api_key(self, api_key: str) -> Session | None:
+        sid = self._by_key.get(api_key)
+        return self._by_id.get(sid) if sid is not None else None
+
+    @contextlib.asynccontextmanager
+    async def locked(self, session_id: str) -> AsyncIterator[Session]:
+        s = self._by_id.get(session_id)
+        if s is None:
+            raise KeyError(session_id)
+        async with self._locks[session_id]:
+            yield s
+            s.new_turns.clear()
+
+    async def load_turns(self, session: Session) -> None:
+        return None  # everything is in memory already
+
+    async def remove(self, session_id: str) -> None:
+        s = self._by_id.get(session_id)
+        if s is not None:  # drop the data, keep the tombstone
+            s.chains, s.frozen, s.pending, s.turns = {}, [], {}, {}
+
+    async def close(self) -> None:
+        return None
+
+
+def open_store(url: str | None) -> SessionStore:
+    """`--agent-store`: unset or `memory` -> in-process; `redis://...` (or `rediss://`, `unix://`) -> Redis."""
+    if not url or url == "memory":
+        return InMemorySessionStore()
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        return RedisSessionStore(url)
+    raise ValueError("--agent-store: use 'memory' or a redis:// URL")
 
 
 class RedisSessionStore:
+    """Sessions in Redis (layout in the module docstring): any gateway process sharing the store serves them."""
+
     def __init__(
         self,
         url: str | None = None,
