@@ -1,6 +1,7 @@
 """Training-step MFU of slime's megatron-core model on one GPU (bf16, packed THD batches, SDPA core attention).
 
-MFU = (6·N·T + 6·L·H·s·T) / (step time · peak), design.md §4's formula with peak 989e12 (H100/H200 dense bf16).
+MFU = (6·N·T + 6·L·H·s·T) / (step time · peak): 6 FLOPs per parameter and token for forward + backward, plus
+causal attention over packed samples of length s; peak 989e12 (H100/H200 dense bf16).
 Prints a table and writes JSON. Usage (GPU host): python bench/mfu_gpu.py --out bench/results/mfu_gpu.json
 """
 
@@ -11,7 +12,6 @@ import json
 import os
 import tempfile
 import time
-from types import SimpleNamespace
 
 import torch
 
@@ -44,16 +44,13 @@ def main() -> None:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from slime.arguments import default_args
     from slime.backends.megatron.hf_config import read_hf_config
     from slime.backends.megatron.initialize import init_distributed, init_megatron
     from slime.backends.megatron.model_provider import build_gpt_model
     from slime.backends.megatron.packing import pack_samples
 
-    args = SimpleNamespace(hf_checkpoint=d, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                           virtual_pipeline_model_parallel_size=None, context_parallel_size=1,
-                           expert_model_parallel_size=1, expert_tensor_parallel_size=None, sequence_parallel=False,
-                           bf16=True, recompute_granularity=None, distributed_backend=None,
-                           distributed_timeout_minutes=10, seed=1234, custom_megatron_init_path=None)  # fmt: skip
+    args = default_args(hf_checkpoint=d, bf16=True)  # one GPU, no parallelism: the parser's defaults
     init_distributed(args, 0, 1, "127.0.0.1", find_free_port())
     init_megatron(args)
     spec = read_hf_config(d)

@@ -35,7 +35,8 @@ def main() -> None:
     from sim.fake_sglang.testing import launch_fake_sglang
     from sim.tiny_checkpoint import build_tiny_checkpoint
     from slime.backends.megatron.weight_sync import TensorWeightSync
-    from slime.backends.megatron.weight_sync_distributed import DistributedWeightSync, EngineSession, EngineTarget
+    from slime.backends.megatron.weight_sync_distributed import DistributedWeightSync, EngineTarget
+    from slime.backends.sglang.client import SGLangClient, begin_weight_sync, end_weight_sync
 
     ckpt = build_tiny_checkpoint(
         Path(a.workdir) / f"model_h{a.hidden_size}_l{a.layers}", hidden_size=a.hidden_size, num_layers=a.layers,
@@ -49,13 +50,14 @@ def main() -> None:
     with launch_fake_sglang(common) as e1, launch_fake_sglang([*common, "--tp-size", "2"]) as e2:
         for bucket_mib in a.buckets_mib:
             bucket = bucket_mib << 20
-            tensor = TensorWeightSync(bucket_bytes=bucket)
-            tensor.sync([e1.url], named, 0)
+            tensor = TensorWeightSync([e1.url], bucket_bytes=bucket)
+            tensor.sync(named, 0)
             times = []
             for v in range(a.repeats):
                 t0 = time.perf_counter()
-                tensor.sync([e1.url], named, v + 1)
+                tensor.sync(named, v + 1)
                 times.append(time.perf_counter() - t0)
+            tensor.close()
             rows.append({"path": "tensor", "bucket_mib": bucket_mib, "engines": 1, "ranks": 1,
                          "sync_s": statistics.median(times), "setup_s": 0.0})  # fmt: skip
             for targets in ([EngineTarget(e1.url, 1)], [EngineTarget(e1.url, 1), EngineTarget(e2.url, 2)]):
@@ -63,15 +65,17 @@ def main() -> None:
                 t0 = time.perf_counter()
                 sync.connect(targets)
                 setup = time.perf_counter() - t0
+                clients = [SGLangClient(t.url) for t in targets]
                 times = []
                 for v in range(a.repeats + 1):
                     t0 = time.perf_counter()
-                    session = EngineSession([t.url for t in targets])
-                    session.begin()
+                    begin_weight_sync(clients)
                     sync.send(named, v)
-                    session.end()
+                    end_weight_sync(clients)
                     times.append(time.perf_counter() - t0)
                 sync.close()
+                for c in clients:
+                    c.close()
                 rows.append({"path": "distributed", "bucket_mib": bucket_mib, "engines": len(targets),
                              "ranks": 1 + sum(t.num_gpus for t in targets), "sync_s": statistics.median(times[1:]),
                              "setup_s": setup})  # fmt: skip

@@ -18,11 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from slime.utils.atomic import replace_dir
 
 logger = logging.getLogger(__name__)
 
@@ -222,13 +223,7 @@ def build_tiny_checkpoint(
         tokenizer.save_pretrained(tmp)
         (tmp / STAMP_NAME).write_text(json.dumps(params, indent=1, sort_keys=True))
 
-        try:
-            os.rename(tmp, out)  # atomic when `out` is absent or an empty dir
-        except OSError:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / STAMP_NAME).unlink(missing_ok=True)
-            for f in sorted(tmp.iterdir(), key=lambda p: p.name == STAMP_NAME):
-                os.replace(f, out / f.name)
+        replace_dir(tmp, out)
         logger.info("built tiny checkpoint (vocab=%d) at %s", vocab, out)
         return out
     finally:

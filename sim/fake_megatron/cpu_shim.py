@@ -134,7 +134,7 @@ def apply(args: Any = None) -> None:
         if threads := int(os.environ.get("SLIME_CPU_THREADS", "0") or 0):
             torch.set_num_threads(threads)
         logger.info("megatron-core CPU shim applied (fp32 only, %d intra-op threads)", torch.get_num_threads())
-    if args.use_distributed_optimizer:
+    if args is not None and args.use_distributed_optimizer:
         enable_distributed_optimizer()
     if getattr(_LOCAL, "mode", None) is None:
         _LOCAL.mode = _CudaToCpuMode()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from collections.abc import Iterator
 from typing import IO
 
@@ -37,3 +38,18 @@ def atomic_open(path: str, mode: str = "w") -> Iterator[IO]:
             os.remove(tmp)
         raise
     fsync_dir(directory)
+
+
+def replace_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
+    """Move a fully written directory `tmp` to `final`, replacing any old one: a reader sees the old directory
+    or the new one, never a mix (between the two renames `final` is briefly absent)."""
+    tmp, final = os.fspath(tmp), os.fspath(final)
+    if os.path.exists(final):
+        old = f"{final}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    fsync_dir(os.path.dirname(os.path.abspath(final)))

@@ -9,6 +9,7 @@ and is back, re-registered, after `recover()` (what the trainer calls before the
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -16,13 +17,13 @@ import random
 import signal
 import threading
 import time
-import types
 from pathlib import Path
 
 import httpx
 import pytest
 import ray
 
+from slime.arguments import default_args
 from slime.ray.placement import create_placement_group, init_ray
 from slime.ray.rollout_servers import RolloutServers
 from slime.rollout.generate import GenerateState, base_sampling_params, generate
@@ -35,28 +36,23 @@ N = 64
 INTERVAL, TIMEOUT = 0.5, 1.5
 
 
-def make_args(tmp: Path) -> types.SimpleNamespace:
+def cluster_args(tmp: Path) -> argparse.Namespace:
     cfg = tmp / "synthetic.yaml"
     cfg.write_text("output_len: {dist: uniform, low: 20, high: 40}\ntoken_latency_s: {dist: fixed, value: 0.02}\n")
     (tmp / "logs").mkdir()
-    return types.SimpleNamespace(
-        hf_checkpoint=str(tmp), seed=1, rollout_engine="sim", sim_engine="synthetic", sim_script=None,
+    return default_args(
+        hf_checkpoint=str(tmp), seed=1, rollout_engine="sim", sim_engine="synthetic",
         sim_synthetic_config=str(cfg), sim_request_log_dir=str(tmp / "logs"), rollout_num_gpus=3,
-        rollout_num_gpus_per_engine=1, num_gpus_per_node=8, actor_num_nodes=1, actor_num_gpus_per_node=3,
-        debug_rollout_only=True, debug_train_only=False, colocate=False, rollout_external=False,
-        offload_rollout=False, prefill_num_servers=None, sglang_config=None, model_name=None,
-        sglang_router_ip=None, sglang_router_port=None, router_policy="round_robin", ray_address=None,
+        actor_num_gpus_per_node=3, debug_rollout_only=True, offload_rollout=False, router_policy="round_robin",
         use_fault_tolerance=True, rollout_health_check_interval=INTERVAL, rollout_health_check_timeout=TIMEOUT,
-        rollout_health_check_first_wait=0.0, sglang_router_request_timeout_secs=600, rollout_max_context_len=None,
-        sglang_server_concurrency=512, rollout_max_response_len=64, rollout_temperature=1.0, rollout_top_p=1.0,
-        rollout_top_k=-1, rollout_stop=None, rollout_stop_token_ids=None, rollout_skip_special_tokens=False,
+        rollout_health_check_first_wait=0.0, sglang_router_request_timeout_secs=600, rollout_max_response_len=64,
     )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ft")
-    args = make_args(tmp)
+    args = cluster_args(tmp)
     init_ray(args)
     servers = None
     try:
@@ -144,4 +140,5 @@ def test_engine_fault_mid_rollout(cluster, fault):
         workers = router.list_workers()
         assert len(workers) == 3 and all(w["is_healthy"] for w in workers)
         assert victim.alive and victim.url in {w["url"] for w in workers}
-        assert len([e for e in servers.updatable_engines() if e is not None]) == 3
+        synced = servers.weight_sync_engines()
+        assert len(synced) == 3 and victim.url in {e["url"] for e in synced}

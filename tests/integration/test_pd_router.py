@@ -11,9 +11,10 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import json
-import types
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -46,10 +47,12 @@ def _fake(cfg: Path, log: Path, *extra: str):
     )
 
 
-def test_real_router_pd_pairs_every_decode_with_one_prefill(tmp_path, synthetic_config):
+def test_real_router_pd_pairs_every_decode_with_one_prefill(
+    tmp_path, synthetic_config, make_args: Callable[..., Any]
+) -> None:
     assert importlib.metadata.version("sglang-router") == "0.3.2"
     boot = find_free_port()
-    args = types.SimpleNamespace(router_policy="round_robin")
+    args = make_args(router_policy="round_robin")
     logs = {n: tmp_path / f"{n}.jsonl" for n in ("prefill", "decode0", "decode1")}
     with contextlib.ExitStack() as stack:
         prefill = stack.enter_context(

@@ -25,10 +25,10 @@ SEQS = [[5, 9, 33, 100, 7, 8, 200, 3], [11, 12, 13], [300, 2, 2, 2, 41, 17]]
 
 
 def _worker(rank: int, ckpt: str, out: str, port: int) -> None:
+    from slime.arguments import parse_args
     from slime.ray.train_actor import TrainRayActor
     from slime.ray.train_data import build_rank_data
     from slime.scheduling.carry import CarryBuffer
-    from slime.utils.arguments import parse_args
     from slime.utils.types import Sample, Status
 
     torch.set_num_threads(1)
@@ -37,8 +37,8 @@ def _worker(rank: int, ckpt: str, out: str, port: int) -> None:
         "--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2",
         "--lr", "1e-2", "--entropy-coef", "0.01", "--custom-megatron-init-path", SHIM,
     ])  # fmt: skip
-    actor = TrainRayActor(args, rank, 2, "127.0.0.1", port)
-    actor.init()
+    actor = TrainRayActor(args, rank, 2)
+    actor.init("127.0.0.1", port)
     trainer = actor.trainer
     rng = random.Random(0)
     samples = [

@@ -112,12 +112,12 @@ def _initial_weights_diff(ckpt: str, samples: list) -> float:
 
 
 def _worker(rank: int, ckpt: str, engine_url: str, port: int, out: str) -> None:
+    from slime.arguments import parse_args
     from slime.backends.megatron.trainer import MegatronTrainer
     from slime.backends.megatron.weight_hash import check_engines, overall_checksum, trainer_weight_checksums
     from slime.backends.megatron.weight_sync import TensorWeightSync
     from slime.ray.train_data import build_rank_data
     from slime.scheduling.carry import CarryBuffer
-    from slime.utils.arguments import parse_args
 
     torch.set_num_threads(1)
     host, engine_port = engine_url.removeprefix("http://").split(":")
@@ -129,13 +129,12 @@ def _worker(rank: int, ckpt: str, engine_url: str, port: int, out: str) -> None:
     ])  # fmt: skip
     args.sglang_router_ip, args.sglang_router_port = host, int(engine_port)  # no router: talk to the engine
     trainer = MegatronTrainer(args, rank, 1, "127.0.0.1", port)
-    sync = TensorWeightSync(bucket_bytes=BUCKET)
+    sync = TensorWeightSync([engine_url], BUCKET)  # one sender: the URL alone names the engine
     res: dict = {"syncs": [], "steps": []}
 
     def push(version: int) -> None:
-        named = (item for bucket in trainer.export_hf(BUCKET) for item in bucket)
-        sent = sync.sync([engine_url], named, version)
-        sums = trainer_weight_checksums(trainer, BUCKET)
+        sent = sync.sync(trainer.export_hf(), version)
+        sums = trainer_weight_checksums(trainer)
         checked = check_engines([engine_url], sums)  # raises WeightMismatch on any differing tensor
         res["syncs"].append({"version": version, **sent, **checked, "checksum": overall_checksum(sums)})
 

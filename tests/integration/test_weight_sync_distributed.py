@@ -90,10 +90,10 @@ def _rollout(url: str, rollout_id: int, first_index: int) -> list:
 def _worker(rank: int, ckpt: str, engines: list, port: int, out: str) -> None:
     import torch.distributed as dist
 
+    from slime.arguments import parse_args
     from slime.ray.train_actor import TrainRayActor
     from slime.ray.train_data import build_rank_data
     from slime.scheduling.carry import CarryBuffer
-    from slime.utils.arguments import parse_args
 
     torch.set_num_threads(1)
     n = len(PROMPTS) * N_SAMPLES
@@ -104,8 +104,8 @@ def _worker(rank: int, ckpt: str, engines: list, port: int, out: str) -> None:
         "--custom-megatron-init-path", SHIM, "--update-weight-buffer-size", str(BUCKET), "--check-weight-update-equal",
     ])  # fmt: skip
     assert args.update_weight_mode == "distributed"  # not colocated: chosen automatically
-    actor = TrainRayActor(args, rank, 2, "127.0.0.1", port)
-    actor.init()
+    actor = TrainRayActor(args, rank, 2)
+    actor.init("127.0.0.1", port)
     targets = [{"url": url, "num_gpus": k} for url, k, _ in engines]
     res: dict = {"syncs": [], "train": []}
     carry = CarryBuffer()
@@ -178,10 +178,10 @@ def test_broadcast_protocol_without_megatron(ckpt, engines):
     from slime.backends.megatron.weight_hash import check_engines, hf_weight_checksums
     from slime.backends.megatron.weight_sync_distributed import (
         DistributedWeightSync,
-        EngineSession,
         EngineTarget,
         rank_offsets,
     )
+    from slime.backends.sglang.client import SGLangClient, begin_weight_sync, end_weight_sync
 
     t0 = time.time()
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
@@ -193,10 +193,12 @@ def test_broadcast_protocol_without_megatron(ckpt, engines):
             torch.manual_seed(version)
             named = [(n, p.detach() + 0.01 * torch.randn_like(p)) for n, p in model.named_parameters()]
             sync.connect(targets)
-            session = EngineSession([t.url for t in targets])
-            session.begin()
+            clients = [SGLangClient(t.url) for t in targets]
+            begin_weight_sync(clients)
             stats = sync.send(named, version)
-            session.end()
+            end_weight_sync(clients)
+            for c in clients:
+                c.close()
             assert stats["weight_sync/buckets"] > 1
             check_engines([t.url for t in targets], hf_weight_checksums(named))
         assert sync.connect(targets) == {}  # same engines: the group is reused
@@ -221,12 +223,13 @@ def test_update_outside_a_session_is_refused(engines):
     body = {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "nope"}
     r = httpx.post(f"{url}/update_weights_from_distributed", json=body, timeout=30)
     assert r.status_code == 400 and "begin_weight_update" in r.json()["message"]
-    assert httpx.post(f"{url}/end_weight_update", timeout=30).status_code == 400
+    # bodies as SGLang requires them (an empty body is refused by request validation, whatever the session)
+    assert httpx.post(f"{url}/end_weight_update", json={}, timeout=30).status_code == 400
     assert httpx.post(f"{url}/begin_weight_update", json={}, timeout=30).status_code == 200
     assert httpx.post(f"{url}/begin_weight_update", json={}, timeout=30).status_code == 400
     r = httpx.post(f"{url}/update_weights_from_distributed", json=body, timeout=30)
     assert r.status_code == 400 and "init_weights_update_group" in r.json()["message"]
-    assert httpx.post(f"{url}/end_weight_update", timeout=30).status_code == 200
+    assert httpx.post(f"{url}/end_weight_update", json={}, timeout=30).status_code == 200
 
 
 if __name__ == "__main__":

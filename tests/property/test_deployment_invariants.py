@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-import types
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from slime.arguments import default_args
 from slime.backends.sglang.deployment import build_plan, planned_ports
 from slime.backends.sglang.sglang_config import ModelConfig, ServerGroupConfig, SGLangConfig
 
@@ -41,10 +40,8 @@ def topology(draw) -> SGLangConfig:
 @given(cfg=topology(), actor=st.integers(1, 16), colocate=st.booleans(), offload=st.booleans())
 def test_plan_invariants(cfg, actor, colocate, offload):
     n = cfg.num_gpus
-    args = types.SimpleNamespace(
-        actor_num_nodes=1, actor_num_gpus_per_node=actor, colocate=colocate, debug_rollout_only=False,
-        offload_rollout=offload, num_gpus_per_node=8, sglang_router_ip=None, sglang_router_port=None,
-    )  # fmt: skip
+    # one node of 8 GPUs, no user router: the parser's defaults
+    args = default_args(actor_num_gpus_per_node=actor, colocate=colocate, offload_rollout=offload)
     plan = build_plan(args, cfg)
     assert plan.rollout_num_gpus == n
     # engines + placeholder groups tile [0, n) exactly once

@@ -7,7 +7,8 @@ statistics over *trajectories* with plain Python — the definition the vectoris
 from __future__ import annotations
 
 import math
-import types
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -100,7 +101,7 @@ def test_uneven_fan_out_does_not_weigh_segments():
     assert norm == [0.5, 0.5, 0.5, -0.5]  # mean over trajectories is 0.5, not 0.75 over samples
 
 
-def test_from_args_reads_estimator_flags():
+def test_from_args_reads_estimator_flags(make_args: Callable[..., Any]):
     samples = [
         Sample(group_index=0, index=0, reward=1.0),
         Sample(group_index=0, index=1, group_id=1, reward=1.0),
@@ -108,12 +109,12 @@ def test_from_args_reads_estimator_flags():
         Sample(group_index=0, index=2, reward=0.0),
         Sample(group_index=1, index=3, reward=5.0),
     ]
-    args = types.SimpleNamespace(advantage_estimator="grpo", n_samples_per_prompt=2, fan_out_reward="full")
+    args = make_args(advantage_estimator="grpo", n_samples_per_prompt=2, fan_out_reward="full")
     out = normalize_rewards_from_args(args, samples)
     s = math.sqrt(((1 - 2 / 3) ** 2 * 2 + (2 / 3) ** 2) / 2)
     assert out[:4] == pytest.approx([(1 / 3) / (s + 1e-6)] * 3 + [(-2 / 3) / (s + 1e-6)], rel=RTOL)
     assert out[4] == 0.0  # a prompt with a single trajectory has no spread
     args.disable_rewards_normalization = True
     assert normalize_rewards_from_args(args, samples) == [1.0, 1.0, 1.0, 0.0, 5.0]
-    args = types.SimpleNamespace(advantage_estimator="ppo")
+    args = make_args(advantage_estimator="ppo")
     assert normalize_rewards_from_args(args, samples) == [1.0, 1.0, 1.0, 0.0, 5.0]

@@ -51,7 +51,8 @@ def _make_case(seed, n_groups, dp, cp, per_token, max_tokens, balance, density=0
 
 
 def _reference(case):
-    """Single rank, no parallelism: L_s straight from the formula of spec §5.3."""
+    """Single rank, no parallelism: L_s computed from its definition, the mean over groups of each group's masked
+    token mean (per-token mode: the masked token sum over all samples' token counts)."""
     xs = [t.detach().clone().requires_grad_() for t in case["x"]]
     if case["per_token"]:
         num = sum((x * m).sum() for x, m in zip(xs, case["m"], strict=True))

@@ -7,7 +7,6 @@ cp zigzag parts, dp shards) run on `SimulatedWorld`.
 from __future__ import annotations
 
 import math
-import types
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from slime.algorithms.kl import compute_approx_kl
 from slime.algorithms.logprobs import vocab_parallel_logprobs_and_entropy
 from slime.algorithms.loss import policy_loss_function
 from slime.algorithms.policy_loss import compute_policy_loss
+from slime.arguments import default_args
 
 pytestmark = pytest.mark.cpu
 
@@ -155,7 +155,7 @@ def test_loss_over_cp_ranks_sums_to_the_unsliced_loss(case):
         "response_lengths": resp,
     }
     entropy = [torch.rand(r, generator=g, dtype=F64) for r in resp]
-    args = types.SimpleNamespace(
+    args = default_args(
         **{
             "advantage_estimator": "grpo",
             "eps_clip": 0.2,

@@ -6,12 +6,11 @@ groups that do not fill a step wait in the buffer with their rollout-time values
 
 from __future__ import annotations
 
-import types
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from slime.arguments import default_args
 from slime.scheduling import CarryBuffer, build_schedule_from_args
 from slime.utils.types import Sample
 
@@ -24,10 +23,8 @@ def rollout_sequence(draw):
     # groups per rollout vary (dynamic filtering, aborted groups); fan-out per group is uneven
     rollouts = [[draw(st.integers(1, 4)) for _ in range(draw(st.integers(0, 12)))] for _ in range(n_rollouts)]
     dp = draw(st.integers(1, 3))
-    args = types.SimpleNamespace(
+    args = default_args(
         global_batch_size=draw(st.integers(1, 6)),
-        num_steps_per_rollout=None,
-        micro_batch_size=1,
         use_dynamic_batch_size=True,
         max_tokens_per_gpu=draw(st.integers(8, 64)),
         balance_data=draw(st.booleans()),

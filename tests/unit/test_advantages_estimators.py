@@ -5,8 +5,9 @@ CP and DP layouts run on `SimulatedWorld`; the references are computed on whole 
 
 from __future__ import annotations
 
+import argparse
 import math
-import types
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from slime.algorithms.advantages import (
     normalize_rewards_from_args,
 )
 from slime.algorithms.cp_slicing import slice_response_for_cp
+from slime.arguments import default_args
 from slime.utils.types import Sample
 
 pytestmark = pytest.mark.cpu
@@ -25,22 +27,9 @@ pytestmark = pytest.mark.cpu
 F64 = torch.float64
 
 
-def _args(**kw) -> types.SimpleNamespace:
-    base = dict(
-        advantage_estimator="grpo",
-        kl_coef=0.0,
-        kl_loss_type="k1",
-        gamma=1.0,
-        normalize_advantages=False,
-        use_rollout_logprobs=False,
-        custom_advantage_function_path=None,
-        disable_rewards_normalization=False,
-        disable_grpo_std_normalization=False,
-        n_samples_per_prompt=3,
-        fan_out_reward="full",
-    )
-    base.update(kw)
-    return types.SimpleNamespace(**base)
+def _args(**kw: Any) -> argparse.Namespace:
+    """The parser's defaults (GRPO, no KL, gamma 1, full fan-out reward) with 3 samples per prompt."""
+    return default_args(**{"n_samples_per_prompt": 3, **kw})
 
 
 def _uneven_samples() -> list[Sample]:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from slime.utils.arguments import parse_args
+from slime.arguments import parse_args
 from slime.utils.errors import SlimeArgError
 
 pytestmark = pytest.mark.cpu

@@ -78,7 +78,7 @@ def test_tracker_pointing_at_incomplete_dir_is_an_error(tmp_path):
 @pytest.fixture
 def manager_args(tmp_path):
     from sim.tiny_checkpoint import build_tiny_checkpoint
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
 
     model = build_tiny_checkpoint(tmp_path / "model")
     data = tmp_path / "d.jsonl"

@@ -51,11 +51,11 @@ def _state(trainer) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def _worker(rank: int, phase: str, ckpt: str, out_dir: str, port: int) -> None:
+    from slime.arguments import parse_args
     from slime.backends.megatron import checkpoint
     from slime.backends.megatron.trainer import MegatronTrainer
     from slime.ray.train_data import build_rank_data
     from slime.scheduling.carry import CarryBuffer
-    from slime.utils.arguments import parse_args
 
     args = parse_args([
         "--hf-checkpoint", ckpt, "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",

@@ -90,7 +90,7 @@ def _worker(rank: int, world: int, port: int, ckpt: str, out_dir: str) -> None:
     from slime.backends.megatron.trainer import MegatronTrainer
     from slime.ray.train_data import build_rank_data
     from slime.scheduling.carry import CarryBuffer
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
 
     torch.set_num_threads(1)
     out = Path(out_dir)
@@ -174,7 +174,7 @@ def _bf16_worker(rank: int, phase: str, ckpt: str, out_dir: str, port: int) -> N
     optimizer group; every optimizer slot must come back to the right parameter."""
     from slime.backends.megatron import checkpoint
     from slime.backends.megatron.trainer import MegatronTrainer
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
 
     args = parse_args([
         "--hf-checkpoint", ckpt, "--rollout-batch-size", "4", "--num-rollout", "4", "--rollout-num-gpus", "1",

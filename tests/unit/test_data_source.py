@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
-import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from slime.arguments import default_args
 from slime.rollout.data_source import RolloutDataSource, RolloutDataSourceWithBuffer, validate_prompt_data
 from slime.rollout.dataset import Dataset, parse_data_path
 from slime.utils.errors import SlimeArgError
@@ -21,27 +23,9 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def make_args(prompt_data: str, **kw) -> types.SimpleNamespace:
-    base = dict(
-        prompt_data=prompt_data,
-        input_key="input",
-        label_key="label",
-        metadata_key="metadata",
-        tool_key="tools",
-        apply_chat_template=False,
-        apply_chat_template_kwargs=None,
-        rollout_max_prompt_len=None,
-        hf_checkpoint=None,
-        n_samples_per_prompt=2,
-        rollout_shuffle=False,
-        rollout_seed=42,
-        buffer_filter_path=None,
-        disable_rollout_global_dataset=False,
-        save=None,
-        load=None,
-    )
-    base.update(kw)
-    return types.SimpleNamespace(**base)
+def source_args(prompt_data: str | None, **kw: Any) -> argparse.Namespace:
+    """The parser's defaults (input/metadata/tool keys 'input'/'metadata'/'tools'), labels and 2 samples per prompt."""
+    return default_args(**{"prompt_data": prompt_data, "label_key": "label", "n_samples_per_prompt": 2, **kw})
 
 
 @pytest.fixture
@@ -63,7 +47,7 @@ def prompts(groups: list[list[Sample]]) -> list[str]:
 
 
 def test_groups_indices_and_epochs(data5: Path) -> None:
-    ds = RolloutDataSource(make_args(str(data5)))
+    ds = RolloutDataSource(source_args(str(data5)))
     assert len(ds) == ds.num_prompts == 5
     groups = ds.get_samples(3) + ds.get_samples(4)  # crosses into epoch 1
     assert prompts(groups) == ["q0", "q1", "q2", "q3", "q4", "q0", "q1"]
@@ -78,7 +62,7 @@ def test_groups_indices_and_epochs(data5: Path) -> None:
 
 def test_shuffle_is_seeded_per_epoch(data5: Path) -> None:
     def order(seed: int) -> list[str]:
-        ds = RolloutDataSource(make_args(str(data5), rollout_shuffle=True, rollout_seed=seed))
+        ds = RolloutDataSource(source_args(str(data5), rollout_shuffle=True, rollout_seed=seed))
         return prompts(ds.get_samples(15))
 
     a, b = order(7), order(7)
@@ -90,7 +74,7 @@ def test_shuffle_is_seeded_per_epoch(data5: Path) -> None:
 
 
 def test_save_load_round_trip_resumes_identically(data5: Path, tmp_path: Path) -> None:
-    args = make_args(str(data5), rollout_shuffle=True, n_samples_per_prompt=3)
+    args = source_args(str(data5), rollout_shuffle=True, n_samples_per_prompt=3)
     ref = RolloutDataSourceWithBuffer(args)
     ref.get_samples(4)
     buffered = ref.get_samples(2)
@@ -113,7 +97,7 @@ def test_save_load_round_trip_resumes_identically(data5: Path, tmp_path: Path) -
 
 
 def test_load_defaults_to_args_load_and_missing_state_is_fresh(data5: Path, tmp_path: Path) -> None:
-    args = make_args(str(data5), save=str(tmp_path), load=str(tmp_path))
+    args = source_args(str(data5), save=str(tmp_path), load=str(tmp_path))
     ds = RolloutDataSource(args)
     ds.get_samples(2)
     ds.save(1)
@@ -127,7 +111,7 @@ def test_load_defaults_to_args_load_and_missing_state_is_fresh(data5: Path, tmp_
 
 
 def test_buffer_first_and_custom_filter(data5: Path) -> None:
-    ds = RolloutDataSourceWithBuffer(make_args(str(data5)))
+    ds = RolloutDataSourceWithBuffer(source_args(str(data5)))
     g = ds.get_samples(2)
     ds.add_samples(g)
     out = ds.get_samples(3)
@@ -136,9 +120,9 @@ def test_buffer_first_and_custom_filter(data5: Path) -> None:
     with pytest.raises(ValueError, match="n_samples_per_prompt=2"):
         ds.add_samples([[Sample()]])
     with pytest.raises(RuntimeError, match="read-only"):
-        RolloutDataSource(make_args(str(data5))).add_samples(g)
+        RolloutDataSource(source_args(str(data5))).add_samples(g)
 
-    newest = RolloutDataSourceWithBuffer(make_args(str(data5), buffer_filter_path=f"{__name__}.pop_last"))
+    newest = RolloutDataSourceWithBuffer(source_args(str(data5), buffer_filter_path=f"{__name__}.pop_last"))
     newest.add_samples(newest.get_samples(3))
     assert [x[0].group_index for x in newest.get_samples(2)] == [2, 1]
 
@@ -149,11 +133,11 @@ def pop_last(args, rollout_id, buffer, n):
 
 
 def test_disabled_global_dataset_gives_empty_prompt_groups() -> None:
-    ds = RolloutDataSourceWithBuffer(make_args(None, disable_rollout_global_dataset=True))
+    ds = RolloutDataSourceWithBuffer(source_args(None, disable_rollout_global_dataset=True))
     assert len(ds) == 0
     groups = ds.get_samples(2)
     assert [[s.index for s in g] for g in groups] == [[0, 1], [2, 3]] and groups[0][0].prompt == ""
-    assert validate_prompt_data(make_args(None, disable_rollout_global_dataset=True)) == 0
+    assert validate_prompt_data(source_args(None, disable_rollout_global_dataset=True)) == 0
 
 
 @pytest.mark.parametrize(
@@ -173,7 +157,7 @@ def test_parquet(tmp_path: Path) -> None:
     rows = [{"question": f"p{i}", "answer": i, "metadata": json.dumps({"rm_type": "math"})} for i in range(4)]
     path = tmp_path / "d.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
-    args = make_args(f"{path}@[1:]", input_key="question", label_key="answer")
+    args = source_args(f"{path}@[1:]", input_key="question", label_key="answer")
     assert validate_prompt_data(args) == 3
     s = RolloutDataSource(args).get_samples(1)[0][0]
     assert (s.prompt, s.label, s.metadata) == ("p1", 1, {"rm_type": "math"})
@@ -189,7 +173,7 @@ def test_chat_template_tools_and_length_filter(tmp_path: Path, tiny_ckpt: Path) 
             {"input": "long " * 300},
         ],
     )
-    args = make_args(str(path), apply_chat_template=True, hf_checkpoint=str(tiny_ckpt), rollout_max_prompt_len=600)
+    args = source_args(str(path), apply_chat_template=True, hf_checkpoint=str(tiny_ckpt), rollout_max_prompt_len=600)
     ds = RolloutDataSource(args)
     assert len(ds) == 2  # the long prompt is dropped
     assert ds.dataset.num_dropped_too_long == 1
@@ -198,7 +182,7 @@ def test_chat_template_tools_and_length_filter(tmp_path: Path, tiny_ckpt: Path) 
     assert first.metadata["tools"] == tools
     assert "be brief" in second.prompt and "<tools>" not in second.prompt
 
-    kw = make_args(
+    kw = source_args(
         str(path) + "@[:1]",
         apply_chat_template=True,
         hf_checkpoint=str(tiny_ckpt),
@@ -220,19 +204,19 @@ def test_file_errors_name_the_line(tmp_path: Path, content: str, match: str) -> 
     path = tmp_path / "d.jsonl"
     path.write_text(content)
     with pytest.raises(SlimeArgError, match=match) as e:
-        validate_prompt_data(make_args(str(path)))
+        validate_prompt_data(source_args(str(path)))
     assert "\n" not in str(e.value)
 
 
 def test_missing_file_and_extension(tmp_path: Path) -> None:
     with pytest.raises(SlimeArgError, match=r"^--prompt-data: file not found: .*nope\.jsonl$"):
-        validate_prompt_data(make_args(str(tmp_path / "nope.jsonl")))
+        validate_prompt_data(source_args(str(tmp_path / "nope.jsonl")))
     (tmp_path / "d.csv").write_text("input\nx\n")
     with pytest.raises(SlimeArgError, match=r"unsupported extension '\.csv'"):
-        validate_prompt_data(make_args(str(tmp_path / "d.csv")))
+        validate_prompt_data(source_args(str(tmp_path / "d.csv")))
     with pytest.raises(SlimeArgError, match="--eval-prompt-data aime: file not found"):
         validate_prompt_data(
-            make_args(None, disable_rollout_global_dataset=True, eval_prompt_data=["aime", "x.jsonl"])
+            source_args(None, disable_rollout_global_dataset=True, eval_prompt_data=["aime", "x.jsonl"])
         )
     with pytest.raises(SlimeArgError, match="name path' pairs"):
-        validate_prompt_data(make_args(None, disable_rollout_global_dataset=True, eval_prompt_data=["aime"]))
+        validate_prompt_data(source_args(None, disable_rollout_global_dataset=True, eval_prompt_data=["aime"]))

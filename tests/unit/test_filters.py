@@ -6,12 +6,12 @@ import socket
 import subprocess
 import sys
 import threading
-import types
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from slime.arguments import default_args
 from slime.rollout.filter_hub import DynamicFilterOutput, call_dynamic_filter, check_reward_nonzero_std, pop_first
 from slime.utils.async_utils import run
 from slime.utils.http_utils import find_free_port, wait_for_http
@@ -19,7 +19,7 @@ from slime.utils.types import Sample
 
 pytestmark = pytest.mark.cpu
 
-ARGS = types.SimpleNamespace(reward_key="acc")
+ARGS = default_args(reward_key="acc")  # shared by the hypothesis test, which cannot take fixtures
 
 
 def group(*rewards) -> list[Sample]:

@@ -6,8 +6,9 @@ second call of the vectorised expressions under test.
 
 from __future__ import annotations
 
+import argparse
 import math
-import types
+from typing import Any
 
 import pytest
 import torch
@@ -28,37 +29,17 @@ from slime.algorithms.policy_loss import (
     opsm_keep_masks,
     vanilla_tis_function,
 )
+from slime.arguments import default_args
 
 pytestmark = pytest.mark.cpu
 
 F64 = torch.float64
 
 
-def _args(**kw) -> types.SimpleNamespace:
-    base = dict(
-        advantage_estimator="grpo",
-        loss_type="policy_loss",
-        eps_clip=0.2,
-        eps_clip_high=0.2,
-        eps_clip_c=None,
-        entropy_coef=0.0,
-        use_kl_loss=False,
-        kl_loss_coef=0.0,
-        kl_loss_type="k1",
-        use_unbiased_kl=False,
-        use_tis=False,
-        tis_clip=2.0,
-        tis_clip_low=0.0,
-        custom_tis_function_path=None,
-        custom_pg_loss_reducer_function_path=None,
-        use_rollout_logprobs=False,
-        calculate_per_token_loss=False,
-        use_opsm=False,
-        opsm_delta=1e-4,
-        get_mismatch_metrics=False,
-    )
-    base.update(kw)
-    return types.SimpleNamespace(**base)
+def _args(**kw: Any) -> argparse.Namespace:
+    """The parser's defaults (GRPO, policy loss, eps_clip 0.2), with the clip's upper bound that validation would
+    derive from --eps-clip set explicitly."""
+    return default_args(**{"eps_clip_high": 0.2, **kw})
 
 
 # ---------------------------------------------------------------- log-probs and entropy

@@ -9,7 +9,6 @@ to a file; the tests below assert on them.
 from __future__ import annotations
 
 import os
-import types
 from pathlib import Path
 
 import pytest
@@ -91,13 +90,15 @@ def _loss_sums(logits: list[torch.Tensor], seqs: list[torch.Tensor]) -> tuple[fl
 def _worker(rank: int, world: int, port: int, ckpts: dict[str, str], out_dir: str) -> None:
     from transformers import AutoModelForCausalLM
 
+    from slime.arguments import default_args
     from slime.backends.megatron import hf_weights, packing
     from slime.backends.megatron.hf_config import read_hf_config
     from slime.backends.megatron.initialize import init_distributed, init_megatron
     from slime.backends.megatron.model_provider import build_gpt_model, mask_padded_vocab
+    from slime.backends.megatron.weight_buckets import buckets_by_dtype
 
     torch.set_num_threads(1)
-    args = types.SimpleNamespace(custom_megatron_init_path=SHIM, seed=1234, tensor_model_parallel_size=1)
+    args = default_args(custom_megatron_init_path=SHIM, seed=1234, tensor_model_parallel_size=1)
     init_distributed(args, rank, world, "127.0.0.1", port)
     res: dict = {"phase1": {}, "phase2": {}}
 
@@ -156,7 +157,7 @@ def _worker(rank: int, world: int, port: int, ckpts: dict[str, str], out_dir: st
                         buf = torch.tensor([total, float(count)], dtype=torch.float64)
                         ps.all_reduce(buf, "sum", "dp")
                         r["dp_loss"] = (float(buf[0]), int(buf[1]))
-            exported = [b for b in hf_weights.export_hf_weights(model, spec, ps, bucket_bytes=16 * 1024)]
+            exported = list(buckets_by_dtype(hf_weights.export_hf_weights(model, spec, ps), 16 * 1024))
             r["bucket_sizes"] = [sum(t.numel() * t.element_size() for _, t in b) for b in exported]
             r["bucket_counts"] = [len(b) for b in exported]
             if rank == 0:

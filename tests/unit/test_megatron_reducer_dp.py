@@ -40,7 +40,7 @@ METRIC_NAMES = ("entropy_loss", "loss", "pg_clipfrac", "pg_loss", "ppo_kl")  # w
 
 
 def _args(ckpt: str, tp: int):
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
 
     return parse_args([
         "--hf-checkpoint", ckpt, "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "1",

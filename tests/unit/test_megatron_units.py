@@ -4,7 +4,8 @@ test_megatron_parallel.py for real GPTModels on gloo)."""
 
 from __future__ import annotations
 
-import types
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -41,11 +42,11 @@ _QWEN2 = dict(
 # ---------------------------------------------------------------- hf_config
 
 
-def test_qwen2_config_maps_to_megatron_names():
+def test_qwen2_config_maps_to_megatron_names(make_args: Callable[..., Any]):
     spec = hf_config.read_hf_config(_QWEN2)
     assert spec.qkv_bias and spec.tie_word_embeddings and not spec.qk_layernorm
     assert (spec.num_query_groups, spec.kv_channels, spec.rope_theta) == (2, 16, 500000.0)
-    kw = hf_config.transformer_config_kwargs(spec, types.SimpleNamespace(tensor_model_parallel_size=2))
+    kw = hf_config.transformer_config_kwargs(spec, make_args(tensor_model_parallel_size=2))
     assert kw["num_query_groups"] == 2 and kw["add_qkv_bias"] and not kw["add_bias_linear"]
     assert kw["normalization"] == "RMSNorm" and kw["gated_linear_unit"] and kw["layernorm_epsilon"] == 1e-6
     assert kw["params_dtype"] == torch.float32 and kw["hidden_dropout"] == 0.0
@@ -76,10 +77,10 @@ def test_unsupported_configs_fail_with_one_line(patch, needle):
     assert "\n" not in str(e.value)
 
 
-def test_tp_must_fit_heads():
+def test_tp_must_fit_heads(make_args: Callable[..., Any]):
     spec = hf_config.read_hf_config(_QWEN2)
     with pytest.raises(SlimeArgError, match="--tensor-model-parallel-size 3"):
-        hf_config.transformer_config_kwargs(spec, types.SimpleNamespace(tensor_model_parallel_size=3))
+        hf_config.transformer_config_kwargs(spec, make_args(tensor_model_parallel_size=3))
 
 
 def test_missing_checkpoint_dir(tmp_path):
@@ -352,20 +353,20 @@ def _record_hook(args: object) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error path")
-def test_cpu_without_hook_names_the_flag():
+def test_cpu_without_hook_names_the_flag(make_args: Callable[..., Any]):
     from slime.backends.megatron.initialize import CPU_SHIM_HOOK, init_distributed, run_custom_megatron_init
 
-    args = types.SimpleNamespace(custom_megatron_init_path=None)
+    args = make_args(custom_megatron_init_path=None)
     for call in (lambda: run_custom_megatron_init(args), lambda: init_distributed(args, 0, 1, "127.0.0.1", 1)):
         with pytest.raises(SlimeArgError, match="--custom-megatron-init-path") as e:
             call()
         assert CPU_SHIM_HOOK in str(e.value) and "\n" not in str(e.value)
 
 
-def test_custom_init_hook_is_called_with_args():
+def test_custom_init_hook_is_called_with_args(make_args: Callable[..., Any]):
     from slime.backends.megatron.initialize import run_custom_megatron_init
 
-    args = types.SimpleNamespace(custom_megatron_init_path=f"{__name__}._record_hook")
+    args = make_args(custom_megatron_init_path=f"{__name__}._record_hook")
     run_custom_megatron_init(args)
     assert _HOOK_CALLS[-1] is args
 

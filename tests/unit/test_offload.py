@@ -64,7 +64,7 @@ def hf_dir(tmp_path_factory) -> str:
 
 
 def test_weight_sync_mode_follows_placement(hf_dir):
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
     from slime.utils.errors import SlimeArgError
 
     def _args(*extra: str):

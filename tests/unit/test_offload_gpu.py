@@ -23,12 +23,12 @@ pytestmark = [
 
 
 def _worker(rank: int, ckpt: str, out: str, port: int) -> None:
+    from slime.arguments import parse_args
     from slime.backends.megatron.checkpoint import allocate_optimizer_state
     from slime.backends.megatron.offload import TrainOffloader
     from slime.backends.megatron.trainer import MegatronTrainer
     from slime.ray.train_data import build_rank_data
     from slime.scheduling.carry import CarryBuffer
-    from slime.utils.arguments import parse_args
     from slime.utils.types import Sample, Status
 
     args = parse_args([
@@ -51,12 +51,12 @@ def _worker(rank: int, ckpt: str, out: str, port: int) -> None:
     data, _ = build_rank_data(args, 0, samples, CarryBuffer(), {"dp_size": 1, "cp_size": 1})
     res: dict = {"train0": trainer.train(0, data[0])["train/update_successful"]}
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    exported_awake = {n: t.cpu().clone() for b in trainer.export_hf(1 << 30) for n, t in b}
+    exported_awake = {n: t.cpu().clone() for n, t in trainer.export_hf()}
     torch.cuda.synchronize()
     free_awake = torch.cuda.mem_get_info()[0]
     off.sleep(trainer.model)
     free_asleep = torch.cuda.mem_get_info()[0]
-    exported_asleep = {n: t.cpu().clone() for b in trainer.export_hf(1 << 30) for n, t in b}
+    exported_asleep = {n: t.cpu().clone() for n, t in trainer.export_hf()}
     off.wake_up(trainer.model)
     res["freed_mib"] = (free_asleep - free_awake) / 2**20
     res["export_equal"] = all(torch.equal(exported_awake[n], exported_asleep[n]) for n in exported_awake)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import types
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
 from slime.algorithms.reducers import scale_for_megatron, sum_of_group_mean
 from slime.scheduling import build_schedule, build_schedule_from_args, group_mask_sums
+from slime.scheduling.arguments import validate_batching_args
 from slime.utils.types import Sample
 
 pytestmark = pytest.mark.cpu
@@ -85,19 +87,13 @@ def test_partial_step_smaller_than_dp_runs_empty_micro_batches():
     assert sorted(len(last.micro_batches[r][0]) for r in range(4)) == [0, 0, 0, 1]
 
 
-def test_from_args_reads_the_flags():
+def test_from_args_reads_the_flags(make_args: Callable[..., Any]):
     samples = [Sample(index=i, tokens=[0] * 4) for i in range(3)]
-    args = types.SimpleNamespace(
-        global_batch_size=None,
-        num_steps_per_rollout=2,
-        rollout_batch_size=2,
-        n_samples_per_prompt=2,
-        micro_batch_size=1,
-        use_dynamic_batch_size=False,
-        max_tokens_per_gpu=None,
-        balance_data=False,
-        allow_partial_last_step=True,
+    args = make_args(
+        num_steps_per_rollout=2, rollout_batch_size=2, n_samples_per_prompt=2, allow_partial_last_step=True
     )
+    validate_batching_args(args)  # derives --global-batch-size from --num-steps-per-rollout
+    assert args.global_batch_size == 2  # B = 2*2 // 2
     sched = build_schedule_from_args(args, samples, {"dp_size": 1, "cp_size": 1})
-    assert sched.global_batch_sizes == [2, 1]  # B = 2*2 // 2
+    assert sched.global_batch_sizes == [2, 1]
     assert sched.steps[-1].lr_increment == 1

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import types
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -19,11 +20,6 @@ from slime.utils.errors import SlimeArgError
 from slime.utils.types import Sample
 
 pytestmark = pytest.mark.cpu
-
-
-def _args(**kw):
-    base = {"custom_rm_path": None, "rm_type": None, "rm_url": None, "group_rm": False, "rollout_seed": 42}
-    return types.SimpleNamespace(**{**base, **kw})
 
 
 MATH_EQUAL = [
@@ -138,8 +134,8 @@ def test_f1_score(response, label, expected):
     assert f1_score(response, label) == pytest.approx(expected)
 
 
-def test_random_rm_deterministic_and_balanced():
-    args = _args(rm_type="random")
+def test_random_rm_deterministic_and_balanced(make_args: Callable[..., Any]):
+    args = make_args(rm_type="random")
 
     async def rewards():
         return [await async_rm(args, Sample(index=i, response="x")) for i in range(400)]
@@ -149,13 +145,13 @@ def test_random_rm_deterministic_and_balanced():
     assert set(first) == {0.0, 1.0}
     assert 120 < sum(first) < 280  # roughly half ones; fixed by the seed, so not flaky
     other_seed = asyncio.run(
-        batched_async_rm(_args(rm_type="random", rollout_seed=7), [Sample(index=i) for i in range(400)])
+        batched_async_rm(make_args(rm_type="random", rollout_seed=7), [Sample(index=i) for i in range(400)])
     )
     assert other_seed != first
 
 
-def test_dispatch_metadata_beats_args_and_boxed_prefix():
-    args = _args(rm_type="f1")
+def test_dispatch_metadata_beats_args_and_boxed_prefix(make_args: Callable[..., Any]):
+    args = make_args(rm_type="f1")
     s_math = Sample(index=0, response="so \\boxed{\\frac{1}{2}}", label="0.5", metadata={"rm_type": "math"})
     s_boxed = Sample(index=1, response="I think 3 but \\boxed{4}", label="4", metadata={"rm_type": "boxed_f1"})
     s_unboxed = Sample(index=2, response="4", label="4", metadata={"rm_type": "boxed_math"})
@@ -163,11 +159,11 @@ def test_dispatch_metadata_beats_args_and_boxed_prefix():
     assert asyncio.run(batched_async_rm(args, [s_math, s_boxed, s_unboxed, s_f1])) == [1.0, 1.0, 0.0, 1.0]
 
 
-def test_unknown_and_missing_rm_type_errors():
+def test_unknown_and_missing_rm_type_errors(make_args: Callable[..., Any]):
     with pytest.raises(SlimeArgError, match="unknown rm_type 'bogus'.*math.*f1.*random.*remote_rm"):
-        asyncio.run(async_rm(_args(rm_type="bogus"), Sample(response="x")))
+        asyncio.run(async_rm(make_args(rm_type="bogus"), Sample(response="x")))
     with pytest.raises(SlimeArgError, match="--rm-type"):
-        asyncio.run(async_rm(_args(), Sample(response="x")))
+        asyncio.run(async_rm(make_args(), Sample(response="x")))
     assert set(KNOWN_RM_TYPES) >= {"math", "f1", "random", "remote_rm"}
 
 
@@ -184,20 +180,25 @@ async def custom_group_rm(args, samples):
     return [float(i) for i, _ in enumerate(samples)]
 
 
-def test_custom_rm_async_sync_and_group():
+def test_custom_rm_async_sync_and_group(make_args: Callable[..., Any]):
     mod = __name__
     sample = Sample(response="abc", metadata={"rm_type": "bogus"})  # custom path wins over any rm_type
-    assert asyncio.run(async_rm(_args(custom_rm_path=f"{mod}.custom_async_rm"), sample)) == {"score": 3, "acc": 1.0}
-    assert asyncio.run(async_rm(_args(custom_rm_path=f"{mod}.custom_sync_rm"), sample)) == 0.25
+    assert asyncio.run(async_rm(make_args(custom_rm_path=f"{mod}.custom_async_rm"), sample)) == {
+        "score": 3,
+        "acc": 1.0,
+    }
+    assert asyncio.run(async_rm(make_args(custom_rm_path=f"{mod}.custom_sync_rm"), sample)) == 0.25
     samples = [Sample(response="a"), Sample(response="b"), Sample(response="c")]
-    assert asyncio.run(batched_async_rm(_args(custom_rm_path=f"{mod}.custom_group_rm", group_rm=True), samples)) == [
+    assert asyncio.run(
+        batched_async_rm(make_args(custom_rm_path=f"{mod}.custom_group_rm", group_rm=True), samples)
+    ) == [
         0.0,
         1.0,
         2.0,
     ]
     # without --group-rm the custom fn is called per sample
-    assert asyncio.run(batched_async_rm(_args(custom_rm_path=f"{mod}.custom_sync_rm"), samples)) == [0.25] * 3
-    bad = _args(custom_rm_path=f"{mod}.custom_group_rm_wrong_length", group_rm=True)
+    assert asyncio.run(batched_async_rm(make_args(custom_rm_path=f"{mod}.custom_sync_rm"), samples)) == [0.25] * 3
+    bad = make_args(custom_rm_path=f"{mod}.custom_group_rm_wrong_length", group_rm=True)
     with pytest.raises(ValueError, match="returned 3 rewards for 2 samples"):
         asyncio.run(batched_async_rm(bad, samples[:2]))
 
@@ -224,7 +225,7 @@ async def _with_server(handler, body):
         await runner.cleanup()
 
 
-def test_remote_rm_retries_transient_500_then_succeeds():
+def test_remote_rm_retries_transient_500_then_succeeds(make_args: Callable[..., Any]):
     calls = []
 
     async def handler(request):
@@ -238,14 +239,14 @@ def test_remote_rm_retries_transient_500_then_succeeds():
     )
 
     async def body(url):
-        return await async_rm(_args(rm_url=url), sample)
+        return await async_rm(make_args(rm_url=url), sample)
 
     assert asyncio.run(_with_server(handler, body)) == 0.75
     assert len(calls) == 2
     assert calls[0] == {"prompt": [{"role": "user", "content": "q"}], "response": "resp", "label": "lab"}
 
 
-def test_remote_rm_dict_reward_boxed_and_shared_session():
+def test_remote_rm_dict_reward_boxed_and_shared_session(make_args: Callable[..., Any]):
     seen = []
 
     async def handler(request):
@@ -256,9 +257,9 @@ def test_remote_rm_dict_reward_boxed_and_shared_session():
     samples = [Sample(index=i, response=f"work \\boxed{{{i}}}", label=str(i)) for i in range(8)]
 
     async def body(url):
-        rewards = await batched_async_rm(_args(rm_url=url, rm_type="boxed_remote_rm"), samples)
+        rewards = await batched_async_rm(make_args(rm_url=url, rm_type="boxed_remote_rm"), samples)
         session = remote._sessions[asyncio.get_running_loop()]
-        await batched_async_rm(_args(rm_url=url, rm_type="boxed_remote_rm"), samples[:2])
+        await batched_async_rm(make_args(rm_url=url, rm_type="boxed_remote_rm"), samples[:2])
         assert remote._sessions[asyncio.get_running_loop()] is session  # one session per loop, reused
         return rewards
 
@@ -268,7 +269,7 @@ def test_remote_rm_dict_reward_boxed_and_shared_session():
     assert samples[0].response == "work \\boxed{0}"  # the caller's sample is not modified
 
 
-def test_remote_rm_client_error_is_not_retried_and_exhaustion_raises():
+def test_remote_rm_client_error_is_not_retried_and_exhaustion_raises(make_args: Callable[..., Any]):
     calls = {"400": 0, "503": 0}
 
     async def handler(request):
@@ -278,11 +279,11 @@ def test_remote_rm_client_error_is_not_retried_and_exhaustion_raises():
 
     async def body(url):
         with pytest.raises(RemoteRMError, match="HTTP 400"):
-            await remote_rm(_args(rm_url=url + "?kind=400"), Sample(response="x"))
+            await remote_rm(make_args(rm_url=url + "?kind=400"), Sample(response="x"))
         with pytest.raises(RemoteRMError, match="failed 3 times.*HTTP 503"):
-            await remote_rm(_args(rm_url=url + "?kind=503"), Sample(response="x"), max_tries=3, base_delay=0.01)
+            await remote_rm(make_args(rm_url=url + "?kind=503"), Sample(response="x"), max_tries=3, base_delay=0.01)
         with pytest.raises(RemoteRMError, match="--rm-url"):
-            await remote_rm(_args(), Sample(response="x"))
+            await remote_rm(make_args(), Sample(response="x"))
 
     asyncio.run(_with_server(handler, body))
     assert calls == {"400": 1, "503": 3}

@@ -1,22 +1,24 @@
 """The default rollout function against a small in-test `/generate` stub.
 
-The stub speaks the SGLang 0.5.23 answer shape (design.md §6) and acts as its own router (`GET /workers`
+The stub speaks the SGLang 0.5.23 answer shape (the version slime pins) and acts as its own router (`GET /workers`
 lists itself), so the loop, abort, partial-rollout recycling and seeds are tested without extra processes.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
 import threading
-import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp import web
 
+from slime.arguments import default_args
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput, call_rollout_fn
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.generate import ROUTING_KEY_HEADER, derive_sampling_seed, generate
@@ -148,49 +150,25 @@ async def fan_out_generate(args: Any, sample: Sample, sampling_params: dict[str,
     return [sample, second]
 
 
-def make_args(tmp_path: Path, tiny_ckpt: Path, engine: StubEngine, **kw: Any) -> types.SimpleNamespace:
+def rollout_args(tmp_path: Path, tiny_ckpt: Path, engine: StubEngine, **kw: Any) -> argparse.Namespace:
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"input": p, "metadata": {"rewards": r}}) + "\n" for p, r in PROMPTS))
     base = dict(
         prompt_data=str(data),
-        input_key="input",
-        label_key=None,
-        metadata_key="metadata",
-        tool_key="tools",
-        apply_chat_template=False,
-        apply_chat_template_kwargs=None,
-        rollout_max_prompt_len=None,
         hf_checkpoint=str(tiny_ckpt),
         n_samples_per_prompt=2,
         rollout_batch_size=2,
-        over_sampling_batch_size=2,
-        rollout_shuffle=False,
-        rollout_seed=42,
-        buffer_filter_path=None,
-        disable_rollout_global_dataset=False,
+        over_sampling_batch_size=2,  # what validation derives from --rollout-batch-size
         sglang_router_ip="127.0.0.1",
         sglang_router_port=engine.port,
         sglang_server_concurrency=16,
         rollout_num_gpus=1,
-        rollout_num_gpus_per_engine=1,
-        rollout_temperature=1.0,
-        rollout_top_p=1.0,
-        rollout_top_k=-1,
         rollout_max_response_len=MAX_NEW,
-        rollout_stop=None,
-        rollout_stop_token_ids=None,
-        rollout_skip_special_tokens=False,
         custom_rm_path=f"{__name__}.table_rm",
         dynamic_sampling_filter_path="slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
-        group_rm=False,
-        partial_rollout=False,
-        mask_offpolicy_in_partial_rollout=False,
-        custom_generate_function_path=None,
-        rollout_sample_filter_path=None,
-        rollout_all_samples_process_path=None,
     )
     base.update(kw)
-    return types.SimpleNamespace(**base)
+    return default_args(**base)
 
 
 def group_prompts(groups: list[list[Any]]) -> list[str]:
@@ -198,7 +176,7 @@ def group_prompts(groups: list[list[Any]]) -> list[str]:
 
 
 def test_over_sampling_filter_and_abort(tmp_path: Path, tiny_ckpt: Path, engine: StubEngine) -> None:
-    args = make_args(tmp_path, tiny_ckpt, engine)
+    args = rollout_args(tmp_path, tiny_ckpt, engine)
     ds = RolloutDataSourceWithBuffer(args)
     out = generate_rollout(args, 0, ds)
     assert isinstance(out, RolloutFnTrainOutput)
@@ -223,7 +201,7 @@ def test_over_sampling_filter_and_abort(tmp_path: Path, tiny_ckpt: Path, engine:
 def test_partial_rollout_recycles_and_continues_with_remaining_budget(
     tmp_path: Path, tiny_ckpt: Path, engine: StubEngine
 ) -> None:
-    args = make_args(tmp_path, tiny_ckpt, engine, partial_rollout=True, mask_offpolicy_in_partial_rollout=True)
+    args = rollout_args(tmp_path, tiny_ckpt, engine, partial_rollout=True, mask_offpolicy_in_partial_rollout=True)
     ds = RolloutDataSourceWithBuffer(args)
     generate_rollout(args, 0, ds)
     assert len(ds.buffer) == 1
@@ -246,7 +224,7 @@ def test_partial_rollout_recycles_and_continues_with_remaining_budget(
 
 def test_sampling_seed_determinism(tmp_path: Path, tiny_ckpt: Path, engine: StubEngine) -> None:
     def once(rollout_id: int) -> list[list[int]]:
-        args = make_args(tmp_path, tiny_ckpt, engine, dynamic_sampling_filter_path=None)
+        args = rollout_args(tmp_path, tiny_ckpt, engine, dynamic_sampling_filter_path=None)
         out = generate_rollout(args, rollout_id, RolloutDataSourceWithBuffer(args))
         for g in out.samples:
             for s in g:
@@ -261,7 +239,7 @@ def test_sampling_seed_determinism(tmp_path: Path, tiny_ckpt: Path, engine: Stub
 
 
 def test_continuation_budget_and_zero_budget(tmp_path: Path, tiny_ckpt: Path, engine: StubEngine) -> None:
-    args = make_args(tmp_path, tiny_ckpt, engine)
+    args = rollout_args(tmp_path, tiny_ckpt, engine)
     params = {"max_new_tokens": 5, "temperature": 1.0}
     s = Sample(index=0, tokens=[1, 2, 3, 4], response="abc", response_length=3, loss_mask=[1, 1, 1])
     s = run(generate(args, s, params))
@@ -276,7 +254,7 @@ def test_continuation_budget_and_zero_budget(tmp_path: Path, tiny_ckpt: Path, en
 
 
 def test_custom_generate_fan_out_and_group_rm(tmp_path: Path, tiny_ckpt: Path, engine: StubEngine) -> None:
-    args = make_args(
+    args = rollout_args(
         tmp_path,
         tiny_ckpt,
         engine,
@@ -292,7 +270,7 @@ def test_custom_generate_fan_out_and_group_rm(tmp_path: Path, tiny_ckpt: Path, e
             expected = float(traj[0].metadata["rewards"][traj[0].index % 2])
             assert [s.reward for s in traj] == [expected, expected]  # every segment scored (batched rm)
 
-    args_g = make_args(tmp_path, tiny_ckpt, engine, group_rm=True, custom_rm_path=f"{__name__}.group_rm")
+    args_g = rollout_args(tmp_path, tiny_ckpt, engine, group_rm=True, custom_rm_path=f"{__name__}.group_rm")
     args_g.dynamic_sampling_filter_path = None
     out = generate_rollout(args_g, 0, RolloutDataSourceWithBuffer(args_g))
     assert [[s.reward for s in g] for g in out.samples] == [[0.0, 1.0], [0.0, 1.0]]
@@ -301,7 +279,7 @@ def test_custom_generate_fan_out_and_group_rm(tmp_path: Path, tiny_ckpt: Path, e
 def test_eval_output(tmp_path: Path, tiny_ckpt: Path, engine: StubEngine) -> None:
     evalf = tmp_path / "eval.jsonl"
     evalf.write_text("".join(json.dumps({"input": f"e{i}"}) + "\n" for i in range(2)))
-    args = make_args(
+    args = rollout_args(
         tmp_path,
         tiny_ckpt,
         engine,
@@ -325,7 +303,7 @@ def test_eval_fixed_sampling_seed(tmp_path: Path, tiny_ckpt: Path, engine: StubE
     evalf.write_text("".join(json.dumps({"input": f"e{i}"}) + "\n" for i in range(2)))
 
     def seeds(fixed: bool, rollout_id: int) -> list[int]:
-        args = make_args(
+        args = rollout_args(
             tmp_path, tiny_ckpt, engine, eval_prompt_data=["toy", str(evalf)], n_samples_per_eval_prompt=2
         )
         args.eval_fixed_sampling_seed = fixed
@@ -341,8 +319,8 @@ def test_eval_fixed_sampling_seed(tmp_path: Path, tiny_ckpt: Path, engine: StubE
     assert sent[-4:] == fresh[1]  # the seed recorded on the sample is the one the engine received
 
 
-def test_get_model_url_and_legacy_returns() -> None:
-    args = types.SimpleNamespace(
+def test_get_model_url_and_legacy_returns(make_args: Callable[..., Any]) -> None:
+    args = make_args(
         sglang_router_ip="127.0.0.1", sglang_router_port=3000, sglang_model_routers={"ref": "http://10.0.0.2:4000"}
     )
     assert get_model_url(args) == "http://127.0.0.1:3000/generate"

@@ -10,9 +10,9 @@ import os
 import signal
 import subprocess
 import sys
-import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -76,16 +76,16 @@ def stack(tmp_path: Path) -> Iterator[tuple[str, int, Path, Path]]:
             _stop(p)
 
 
-def test_rollout_through_real_router_and_fake_engine(tmp_path: Path, stack) -> None:
+def test_rollout_through_real_router_and_fake_engine(tmp_path: Path, stack, make_args: Callable[..., Any]) -> None:
     ip, port, ckpt, log = stack
-    # a real component checks its identity (design.md §6)
+    # the real router, at the version slime pins, not a stand-in
     assert importlib.metadata.version("sglang-router") == "0.3.2"
     workers = httpx.get(f"http://{ip}:{port}/workers", timeout=10).json()["workers"]
     assert len(workers) == 1
 
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps({"input": p}) + "\n" for p in ["q0", "q1 SLOW", "q2", "q3"]))
-    args = types.SimpleNamespace(
+    args = make_args(
         prompt_data=str(data),
         hf_checkpoint=str(ckpt),
         n_samples_per_prompt=2,

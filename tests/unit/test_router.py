@@ -5,18 +5,20 @@ Routers start once per module (one round-robin, one with slime's `consistent_has
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import importlib.metadata
 import logging
 import threading
-import types
 from collections import Counter
+from typing import Any
 
 import httpx
 import psutil
 import pytest
 from aiohttp import web
 
+from slime.arguments import default_args
 from slime.backends.sglang.router import RouterProcess, build_router_argv
 from slime.utils.http_utils import find_free_port
 
@@ -74,8 +76,9 @@ class Backends:
         self.thread.join(timeout=10)
 
 
-def _args(**kw) -> types.SimpleNamespace:
-    return types.SimpleNamespace(sglang_router_request_timeout_secs=600, **kw)
+def router_args(**kw: Any) -> argparse.Namespace:
+    """Module-scoped routers use these too, so the parser's defaults come from `default_args`, not the fixture."""
+    return default_args(sglang_router_request_timeout_secs=600, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +105,7 @@ def _start_router(tmp_path_factory, args, backends: Backends):
 
 @pytest.fixture(scope="module")
 def rr_router(tmp_path_factory, backends):
-    router = _start_router(tmp_path_factory, _args(router_policy="round_robin"), backends)
+    router = _start_router(tmp_path_factory, router_args(router_policy="round_robin"), backends)
     try:
         yield router
     finally:
@@ -111,7 +114,7 @@ def rr_router(tmp_path_factory, backends):
 
 @pytest.fixture(scope="module")
 def affinity_router(tmp_path_factory, backends):
-    router = _start_router(tmp_path_factory, _args(router_policy="consistent_hashing"), backends)
+    router = _start_router(tmp_path_factory, router_args(router_policy="consistent_hashing"), backends)
     try:
         yield router
     finally:
@@ -130,7 +133,7 @@ def test_it_is_the_real_router(rr_router):
     proc = psutil.Process(rr_router.pid)
     # launch_router renames its process title to "sglang::router" (setproctitle), so check the command we
     # started and that the router's Rust extension is what the process has loaded.
-    assert any("sglang_router" in part for part in rr_router.proc.args)
+    assert any("sglang_router" in part for part in rr_router.process.proc.args)
     assert "sglang" in " ".join(proc.cmdline())
     assert any("sglang_router_rs" in m.path for m in proc.memory_maps())
 
@@ -178,13 +181,15 @@ def test_add_and_remove_worker(rr_router, backends):
 
 def test_start_failure_reports_log_tail(tmp_path):
     # An invalid pass-through value makes launch_router exit at once; the error must carry its log.
-    args = _args(router_policy="round_robin", router_retry_jitter_factor=7.0)
-    with pytest.raises(RuntimeError, match="router log tail"):
+    args = router_args(router_policy="round_robin", router_retry_jitter_factor=7.0)
+    with pytest.raises(RuntimeError, match="exited with code") as e:
         RouterProcess.start(args, host="127.0.0.1", port=find_free_port(), log_file=str(tmp_path / "r.log"))
+    # the tail of its log, naming the file and the router's own complaint
+    assert str(tmp_path / "r.log") in str(e.value) and "jitter_factor" in str(e.value)
 
 
 def test_build_router_argv_forces_slime_settings():
-    args = _args(router_policy="consistent_hashing", router_log_level="warn", router_prometheus_port=29123)
+    args = router_args(router_policy="consistent_hashing", router_log_level="warn", router_prometheus_port=29123)
     argv = build_router_argv(args, host="127.0.0.1", port=30000, pd=True)
     assert argv[1:3] == ["-m", "sglang_router.launch_router"]
     joined = " ".join(argv)

@@ -8,12 +8,14 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from slime.backends.sglang.flags import add_sglang_arguments
+from slime.arguments import build_parser, default_args
 from slime.backends.sglang.server_args import build_server_argv
 from slime.utils.errors import SlimeArgError
 
@@ -23,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def side_venv_python() -> str:
-    """The SGLang side venv's interpreter; missing is a failure under CI=true (design.md §6), a skip locally."""
+    """The SGLang side venv's interpreter; missing is a failure under CI=true (CI installs it), a skip locally."""
     venv = Path(os.environ.get("SLIME_SGLANG_VENV", ROOT / ".venv-sglang"))
     py = venv / "bin" / "python"
     if not py.exists():
@@ -46,14 +48,12 @@ USER_FLAGS = [
 ]  # fmt: skip
 
 
-def make_args(argv: list[str] = (), **kw) -> argparse.Namespace:
-    p = argparse.ArgumentParser(allow_abbrev=False)
-    add_sglang_arguments(p)
-    args = p.parse_args(list(argv))
-    base = dict(hf_checkpoint="/ckpt/qwen", seed=1234, offload_rollout=True, num_gpus_per_node=8)
-    for k, v in {**base, **kw}.items():
-        setattr(args, k, v)
-    return args
+def server_args(argv: Sequence[str] = (), **kw: Any) -> argparse.Namespace:
+    """The real parser's defaults plus the user's `--sglang-*` flags (typed by that parser), unvalidated.
+
+    `offload_rollout` is set as validation would leave it (the parser's default is None)."""
+    parsed = vars(build_parser().parse_args(list(argv)))
+    return default_args(**{**parsed, "hf_checkpoint": "/ckpt/qwen", "offload_rollout": True, **kw})
 
 
 def _opt(argv: list[str], flag: str) -> str:
@@ -62,7 +62,7 @@ def _opt(argv: list[str], flag: str) -> str:
 
 def test_regular_engine_argv():
     argv = build_server_argv(
-        make_args(USER_FLAGS), backend="sglang", host="127.0.0.1", port=30000, num_gpus=4, rank=3, nccl_port=31000
+        server_args(USER_FLAGS), backend="sglang", host="127.0.0.1", port=30000, num_gpus=4, rank=3, nccl_port=31000
     )
     assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
     assert _opt(argv, "--model-path") == "/ckpt/qwen"
@@ -82,7 +82,7 @@ def test_regular_engine_argv():
 
 
 def test_overrides_win_and_dash_keys_are_normalised():
-    args = make_args(USER_FLAGS, offload_rollout=False)
+    args = server_args(USER_FLAGS, offload_rollout=False)
     argv = build_server_argv(
         args,
         backend="sglang",
@@ -99,12 +99,15 @@ def test_overrides_win_and_dash_keys_are_normalised():
 
 
 def test_multi_node_engine_and_worker_types():
-    args = make_args()
+    args = server_args()
     argv = build_server_argv(
-        args, backend="sglang", host="h", port=1, num_gpus=16, rank=5, dist_init_addr="10.0.0.1:5000"
-    )
+        args, backend="sglang", host="h", port=1, num_gpus=16, rank=5, nnodes=2, node_rank=1,
+        dist_init_addr="10.0.0.1:5000",
+    )  # fmt: skip
     assert (_opt(argv, "--nnodes"), _opt(argv, "--node-rank"), _opt(argv, "--tp-size")) == ("2", "1", "16")
     assert _opt(argv, "--dist-init-addr") == "10.0.0.1:5000"
+    with pytest.raises(ValueError, match="dist_init_addr"):  # node rank 0's address is required across nodes
+        build_server_argv(args, backend="sglang", host="h", port=1, num_gpus=16, nnodes=2, node_rank=1)
     with pytest.raises(SlimeArgError, match="bootstrap_port"):
         build_server_argv(args, backend="sglang", host="h", port=1, worker_type="prefill")
     with pytest.raises(SlimeArgError, match="placeholder"):
@@ -115,7 +118,7 @@ def test_multi_node_engine_and_worker_types():
 
 def test_sim_argv():
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    args = make_args(
+    args = server_args(
         sim_engine="scripted", sim_script="rules.yaml", sim_synthetic_config=None, sim_request_log_dir="/logs"
     )
     argv = build_server_argv(args, backend="sim", host="127.0.0.1", port=4000, rank=2, model_path="/ckpt/x")
@@ -124,7 +127,7 @@ def test_sim_argv():
         "--model-path", "/ckpt/x", "--random-seed", "1236", "--script", "rules.yaml",
         "--request-log", "/logs/engine_2.jsonl", "--device", device,
     ]  # fmt: skip
-    args = make_args(
+    args = server_args(
         sim_engine="synthetic", sim_script=None, sim_synthetic_config="lat.json", sim_request_log_dir=None
     )
     argv = build_server_argv(args, backend="sim", host="127.0.0.1", port=4000)
@@ -142,7 +145,7 @@ def test_sim_argv():
 @pytest.fixture(scope="module")
 def parsed_by_sglang():
     py = side_venv_python()
-    args = make_args(USER_FLAGS)
+    args = server_args(USER_FLAGS)
     common = dict(backend="sglang", host="127.0.0.1", num_gpus=2)
     cases = {
         "regular": build_server_argv(args, port=30000, rank=3, nccl_port=31000, **common),

@@ -1,12 +1,15 @@
-"""`--sglang-config` loader: resolution rules of spec §2.1 and one-line errors (file, YAML path, line)."""
+"""`--sglang-config` loader: how engine sizes and update_weights resolve (group, then model, then the flags), and
+one-line errors (file, YAML path, line)."""
 
 from __future__ import annotations
 
+import argparse
 import textwrap
-import types
+from typing import Any
 
 import pytest
 
+from slime.arguments import default_args
 from slime.backends.sglang.sglang_config import config_from_flags, load_sglang_config
 from slime.cli import main as slime_main
 from slime.utils.errors import SlimeArgError
@@ -16,13 +19,9 @@ pytestmark = pytest.mark.cpu
 HF = "/ckpt/policy"
 
 
-def make_args(**kw) -> types.SimpleNamespace:
-    base = dict(
-        hf_checkpoint=HF, rollout_num_gpus=8, rollout_num_gpus_per_engine=2, num_gpus_per_node=8,
-        prefill_num_servers=None, rollout_external=False, debug_rollout_only=False, model_name=None,
-    )  # fmt: skip
-    base.update(kw)
-    return types.SimpleNamespace(**base)
+def topo_args(**kw: Any) -> argparse.Namespace:
+    """8 rollout GPUs in engines of 2 serving HF (the parser's defaults otherwise: 8 GPUs per node, no PD)."""
+    return default_args(**{"hf_checkpoint": HF, "rollout_num_gpus": 8, "rollout_num_gpus_per_engine": 2, **kw})
 
 
 def write(tmp_path, text: str):
@@ -47,7 +46,7 @@ def test_resolution_rules(tmp_path):
               - {num_gpus: 2, overrides: {model_path: /ckpt/ref}}
         """,
     )
-    cfg = load_sglang_config(str(p), make_args())
+    cfg = load_sglang_config(str(p), topo_args())
     actor, ref = cfg.models
     # engine size: group (1) -> model (4) -> --rollout-num-gpus-per-engine (2)
     assert [g.num_gpus_per_engine for g in actor.server_groups] == [1, 4]
@@ -69,15 +68,15 @@ def test_only_first_update_weights_model_is_synced(tmp_path):
           - {name: b, server_groups: [{num_gpus: 4}]}
         """,
     )
-    a, b = load_sglang_config(str(p), make_args()).models
+    a, b = load_sglang_config(str(p), topo_args()).models
     assert a.update_weights and b.update_weights  # both serve --hf-checkpoint (auto)
     assert a.receives_weights and not b.receives_weights
 
 
 def test_flags_without_yaml():
-    cfg = config_from_flags(make_args())
+    cfg = config_from_flags(topo_args())
     assert [(g.worker_type, g.num_gpus) for g in cfg.models[0].server_groups] == [("regular", 8)]
-    legacy = config_from_flags(make_args(prefill_num_servers=1))
+    legacy = config_from_flags(topo_args(prefill_num_servers=1))
     assert [(g.worker_type, g.num_gpus) for g in legacy.models[0].server_groups] == [("prefill", 2), ("decode", 6)]
 
 
@@ -146,7 +145,7 @@ def test_malformed_config_is_one_line_error(tmp_path, text, extra, fragment):
     p = tmp_path / "topo.yaml"
     p.write_text(text)
     with pytest.raises(SlimeArgError) as e:
-        load_sglang_config(str(p), make_args(**extra))
+        load_sglang_config(str(p), topo_args(**extra))
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"--sglang-config {p}")
     assert fragment in msg, msg

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import types
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -66,8 +67,8 @@ def test_reward_table(response, label, expected):
     assert score_reverse(response, label) == pytest.approx(expected)
 
 
-def test_reward_through_custom_rm_path():
-    args = types.SimpleNamespace(custom_rm_path="examples.toy.reward.reverse_digits_rm")
+def test_reward_through_custom_rm_path(make_args: Callable[..., Any]):
+    args = make_args(custom_rm_path="examples.toy.reward.reverse_digits_rm")
     sample = Sample(response="297000", label="297267", metadata={"rm_type": "math"})
     assert asyncio.run(async_rm(args, sample)) == pytest.approx(0.5)
     assert asyncio.run(reverse_digits_rm(args, sample)) == pytest.approx(0.5)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import logging
-import types
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -15,12 +17,14 @@ from slime.utils.tracking import Tracker, progress
 pytestmark = pytest.mark.cpu
 
 
-def _args(tmp_path, **kw):
-    return types.SimpleNamespace(**{"metrics_dir": str(tmp_path / "metrics"), "use_tensorboard": True, **kw})
+@pytest.fixture
+def tracker_args(tmp_path, make_args: Callable[..., Any]) -> Callable[..., argparse.Namespace]:
+    """Args writing under tmp_path/metrics (TensorBoard on: the parser's default)."""
+    return lambda **kw: make_args(metrics_dir=str(tmp_path / "metrics"), **kw)
 
 
-def test_jsonl_records(tmp_path):
-    with Tracker(_args(tmp_path, use_tensorboard=False)) as tracker:
+def test_jsonl_records(tmp_path, tracker_args):
+    with Tracker(tracker_args(use_tensorboard=False)) as tracker:
         tracker.log({"raw_reward": 0.5, "n": 3, "hist": [1, 2]}, step=0, kind="rollout")
         tracker.log({"loss": torch.tensor(1.25), "nan": float("nan")}, step=1, kind="train")
         tracker.log({"eval/acc": 0.9}, step=1, kind="eval")
@@ -34,8 +38,8 @@ def test_jsonl_records(tmp_path):
     assert not (tmp_path / "metrics" / "tb").exists()
 
 
-def test_jsonl_appends_on_resume_and_rejects_unknown_kind(tmp_path):
-    args = _args(tmp_path, use_tensorboard=False)
+def test_jsonl_appends_on_resume_and_rejects_unknown_kind(tmp_path, tracker_args):
+    args = tracker_args(use_tensorboard=False)
     with Tracker(args) as t:
         t.log({"a": 1}, step=0, kind="train")
         with pytest.raises(ValueError, match="kind"):
@@ -46,10 +50,10 @@ def test_jsonl_appends_on_resume_and_rejects_unknown_kind(tmp_path):
     assert [r["metrics"]["a"] for r in records] == [1, 2]
 
 
-def test_tensorboard_scalars_readable(tmp_path):
+def test_tensorboard_scalars_readable(tmp_path, tracker_args):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    tracker = Tracker(_args(tmp_path))
+    tracker = Tracker(tracker_args())
     try:
         for step in range(3):
             tracker.log({"raw_reward": 0.25 * step, "hist": [1, 2], "name": "x"}, step=step, kind="rollout")
@@ -66,9 +70,9 @@ def test_tensorboard_scalars_readable(tmp_path):
     assert [e.value for e in acc.Scalars("train/grad_norm")] == [0.5, 0.5, 0.5]
 
 
-def test_no_metrics_dir_writes_nothing(tmp_path, monkeypatch):
+def test_no_metrics_dir_writes_nothing(tmp_path, monkeypatch, make_args: Callable[..., Any]):
     monkeypatch.chdir(tmp_path)
-    with Tracker(types.SimpleNamespace(metrics_dir=None)) as t:
+    with Tracker(make_args(metrics_dir=None)) as t:
         t.log({"a": 1.0}, step=0, kind="train")
     assert list(tmp_path.iterdir()) == []
 
@@ -105,11 +109,11 @@ def test_progress_tty_draws_bar_and_resumes(caplog):
     assert not [r for r in caplog.records if r.name == "slime.utils.tracking"]
 
 
-def test_two_trackers_share_one_directory(tmp_path):
+def test_two_trackers_share_one_directory(tmp_path, tracker_args):
     # The driver and the RolloutManager actor log into the same metrics_dir.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    a, b = Tracker(_args(tmp_path)), Tracker(_args(tmp_path))
+    a, b = Tracker(tracker_args()), Tracker(tracker_args())
     try:
         for step in range(5):
             a.log({"loss": float(step), "blob": "x" * 5000}, step=step, kind="train")

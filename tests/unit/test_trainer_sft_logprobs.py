@@ -27,7 +27,7 @@ def _worker(rank: int, port: int, ckpt: str, out: str) -> None:
     from slime.backends.megatron.trainer import MegatronTrainer
     from slime.ray.train_data import build_rank_data
     from slime.scheduling.carry import CarryBuffer
-    from slime.utils.arguments import parse_args
+    from slime.arguments import parse_args
     from slime.utils.types import Sample, Status
 
     torch.set_num_threads(1)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -51,8 +52,8 @@ def test_from_dict_rejects_unknown_fields():
         Sample.from_dict({"tokens": [1], "rollout_idx": 3})
 
 
-def test_update_from_meta_info_maps_finish_reasons():
-    args = SimpleNamespace()
+def test_update_from_meta_info_maps_finish_reasons(make_args: Callable[..., Any]):
+    args = make_args()
     for finish, status in [
         ({"type": "length", "length": 8}, Status.TRUNCATED),
         ({"type": "stop", "matched": 2}, Status.COMPLETED),
@@ -65,9 +66,9 @@ def test_update_from_meta_info_maps_finish_reasons():
         assert s.prefix_cache_info == {"cached_tokens": 4, "prompt_tokens": 10}
 
 
-def test_reward_value_and_effective_length():
-    assert Sample(reward={"acc": 1.0, "fmt": 0.5}).get_reward_value(SimpleNamespace(reward_key="fmt")) == 0.5
+def test_reward_value_and_effective_length(make_args: Callable[..., Any]):
+    assert Sample(reward={"acc": 1.0, "fmt": 0.5}).get_reward_value(make_args(reward_key="fmt")) == 0.5
     with pytest.raises(ValueError, match="--reward-key"):
-        Sample(reward={"acc": 1.0}).get_reward_value(SimpleNamespace(reward_key=None))
+        Sample(reward={"acc": 1.0}).get_reward_value(make_args(reward_key=None))
     assert Sample(response_length=5, loss_mask=[1, 0, 1, 1, 0]).effective_response_length == 3
     assert Sample(response_length=5).effective_response_length == 5

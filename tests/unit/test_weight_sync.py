@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from sim.fake_sglang.testing import launch_fake_sglang
 from sim.tiny_checkpoint import build_tiny_checkpoint
-from slime.backends.megatron.weight_sync import TensorWeightSync, flattened_buckets
+from slime.backends.megatron.weight_buckets import buckets_by_dtype, flatten
+from slime.backends.megatron.weight_sync import TensorWeightSync
 
 pytestmark = pytest.mark.cpu
 
@@ -26,14 +27,15 @@ def ckpt(tmp_path_factory):
     return build_tiny_checkpoint(tmp_path_factory.mktemp("ws") / "model")
 
 
-def test_flattened_buckets_split_by_dtype_and_size():
+def test_buckets_split_by_dtype_and_size_and_flatten_back():
     tensors = [("a", torch.ones(10)), ("b", torch.ones(10, dtype=torch.float64)), ("c", torch.ones(30))]
-    buckets = list(flattened_buckets(tensors, bucket_bytes=100))
-    names = [[m.name for m in b["metadata"]] for b in buckets]
-    assert sorted(names) == [["a"], ["b"], ["c"]]  # a (40 B) + c (120 B) exceed 100 B: separate buckets
-    for b in buckets:
-        for m in b["metadata"]:
-            t = b["flattened_tensor"][m.start_idx : m.end_idx].reshape(m.shape)
+    buckets = list(buckets_by_dtype(tensors, bucket_bytes=100))
+    assert sorted([n for n, _ in b] for b in buckets) == [["a"], ["b"], ["c"]]  # a (40 B) + c (120 B) > 100 B
+    for bucket in buckets:
+        flat, metadata = flatten(bucket)
+        assert [m.name for m in metadata] == [n for n, _ in bucket]
+        for m in metadata:
+            t = flat[m.start_idx : m.end_idx].reshape(m.shape)
             assert torch.equal(t, dict(tensors)[m.name].to(m.dtype))
 
 
@@ -48,7 +50,11 @@ def test_sync_changes_engine_weights_exactly(ckpt, tmp_path):
     prompt = [5, 17, 42, 99, 7]
     with launch_fake_sglang(["--engine", "hf", "--model-path", str(ckpt), "--request-log", str(log)]) as srv:
         before = httpx.get(f"{srv.url}/get_weight_version").json()
-        stats = TensorWeightSync(bucket_bytes=64 * 1024).sync([srv.url], named, weight_version=7)
+        sync = TensorWeightSync([srv.url], bucket_bytes=64 * 1024)  # one sender: a plain URL
+        try:
+            stats = sync.sync(named, weight_version=7)
+        finally:
+            sync.close()
         assert stats["weight_sync/buckets"] > 1
         after = httpx.get(f"{srv.url}/get_weight_version").json()
         assert after != before and "7" in json.dumps(after)

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from slime.utils.atomic import atomic_open, fsync_dir
+from slime.utils.atomic import atomic_open, replace_dir
 
 logger = logging.getLogger(__name__)
 
@@ -95,15 +95,7 @@ def finish_save(root: str, rollout_id: int, meta: dict[str, Any]) -> str:
     final = iter_dir(root, rollout_id)
     with atomic_open(os.path.join(tmp, MARKER)) as f:
         json.dump({"format_version": FORMAT_VERSION, **meta}, f, indent=1)
-    if os.path.exists(final):  # re-saving an id (a resumed run passing a save the killed run finished)
-        old = final + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    fsync_dir(root)
+    replace_dir(tmp, final)  # an existing one: a resumed run re-saving an id the killed run had finished
     with atomic_open(os.path.join(root, TRACKER)) as f:
         f.write(str(rollout_id))
     logger.info("checkpoint of rollout %d complete: %s", rollout_id, final)

@@ -462,6 +462,8 @@ class MegatronTrainer:
         import torch.distributed as dist
         from safetensors.torch import save_file
 
+        from slime.utils.atomic import replace_dir
+
         ps = self.ps
         tmp = f"{path}.tmp"
         if ps.global_rank == 0:
@@ -487,7 +489,6 @@ class MegatronTrainer:
                     weight_map.update(dict.fromkeys(f.keys(), name))
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
-            shutil.rmtree(path, ignore_errors=True)
-            os.replace(tmp, path)
+            replace_dir(tmp, path)
             logger.info("saved HF checkpoint to %s", path)
         dist.barrier()

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slime.backends.megatron.weight_buckets import buckets_by_dtype
+from slime.backends.megatron.weight_buckets import buckets_by_dtype, flatten
 from slime.backends.sglang.client import SGLangClient
 from slime.utils.distributed import listen_socket, master_store
 
@@ -92,8 +92,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _flatten(bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> torch.Tensor:
-    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8).to(device) for _, t in bucket])
+def _flat_bytes(bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """The bucket as SGLang's receiver reads it: the tensors back to back, as one uint8 buffer on `device`."""
+    return flatten(bucket)[0].view(torch.uint8).to(device)
 
 
 class DistributedWeightSync:
@@ -222,7 +223,7 @@ class DistributedWeightSync:
                 self.group_name,
                 str(weight_version),
             )
-            flat = _flatten(bucket, self.device)
+            flat = _flat_bytes(bucket, self.device)
             futures = self._post_all(self.engines, "update_weights_from_distributed", *meta)
             work = dist.broadcast(flat, group=self.group, group_src=0, async_op=True)
             self._wait_with(work, futures)

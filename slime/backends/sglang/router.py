@@ -15,11 +15,8 @@ Settings slime forces (spec §1.2), and why:
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +31,7 @@ from slime.backends.sglang.flags import (
     router_overrides_from_args,
 )
 from slime.utils.http_utils import find_free_port
+from slime.utils.process import ManagedProcess, log_tail
 
 logger = logging.getLogger(__name__)
 
@@ -63,26 +61,11 @@ def build_router_argv(
     return argv
 
 
-def _new_session_dying_with_parent() -> None:
-    # Own process group (stop() signals the whole group) and SIGTERM when the launching process dies, so
-    # a killed RolloutManager cannot leave a router holding its port.
-    os.setsid()
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _tail(path: str | None, lines: int = 20) -> str:
-    if not path or not os.path.exists(path):
-        return ""
-    with open(path, errors="replace") as f:
-        return "\n--- router log tail ---\n" + "".join(f.readlines()[-lines:])
-
-
 class RouterProcess:
     """One running sglang-router; `start` returns when its `/health` answers."""
 
-    def __init__(self, proc: subprocess.Popen, host: str, port: int, log_file: str) -> None:
-        self.proc = proc
+    def __init__(self, process: ManagedProcess, host: str, port: int, log_file: str) -> None:
+        self.process = process
         self.host = host
         self.port = port
         self.log_file = log_file
@@ -94,7 +77,7 @@ class RouterProcess:
 
     @property
     def pid(self) -> int:
-        return self.proc.pid
+        return self.process.pid
 
     @classmethod
     def start(
@@ -110,37 +93,14 @@ class RouterProcess:
             fd, log_file = tempfile.mkstemp(prefix=f"slime-router-{port}-", suffix=".log")
             os.close(fd)
         argv = build_router_argv(args, host=host, port=port, pd=pd)
-        logger.info("router: %s (log %s)", " ".join(argv), log_file)
-        with open(log_file, "ab") as out:
-            proc = subprocess.Popen(
-                argv,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                preexec_fn=_new_session_dying_with_parent,
-            )
-        router = cls(proc, host, port, log_file)
+        process = ManagedProcess.start(argv, name=f"sglang-router {host}:{port}", log_path=log_file)
+        router = cls(process, host, port, log_file)
         try:
-            router._wait_healthy(timeout)
+            process.wait_healthy(f"{router.url}/health", timeout, request_timeout=2.0)
         except BaseException:
-            router.stop()
+            router._client.close()
             raise
         return router
-
-    def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"sglang-router exited with code {self.proc.returncode} during start-up{_tail(self.log_file)}"
-                )
-            try:
-                if self._client.get("/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"sglang-router at {self.url} not healthy after {timeout:.0f}s{_tail(self.log_file)}")
 
     def list_workers(self) -> list[dict[str, Any]]:
         """`GET /workers`: [{"id", "url", "worker_type", "is_healthy", ...}] (sglang-router 0.3.2 shape)."""
@@ -171,7 +131,9 @@ class RouterProcess:
             if w is not None and w.get("is_healthy", False):
                 return str(w["id"])
             time.sleep(0.2)
-        raise TimeoutError(f"worker {url} not listed healthy by {self.url} after {timeout:.0f}s{_tail(self.log_file)}")
+        raise TimeoutError(
+            f"worker {url} not listed healthy by {self.url} after {timeout:.0f}s{log_tail(self.log_file)}"
+        )
 
     def remove_worker(self, url: str, timeout: float = 30.0) -> bool:
         """Deregister an engine (`DELETE /workers/{id}`) and wait until it is gone; False if it was not listed."""
@@ -191,15 +153,4 @@ class RouterProcess:
     def stop(self, grace: float = 5.0) -> None:
         """SIGTERM the router's process group, SIGKILL after `grace` seconds (it drains in-flight requests)."""
         self._client.close()
-        if self.proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(timeout=wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        self.process.stop(grace)

@@ -1,0 +1,111 @@
+"""The import graph of `slime/`: no cycle, the ground floor imports nothing above it, and `sim/` stays out.
+
+Every import counts, including those inside functions: a lazy import hides a cycle from Python but not from a
+reader. Edges are module to module (a package's `__init__` counts as the package).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.cpu
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def import_graph(package: str = "slime") -> dict[str, set[str]]:
+    files = {module_name(p): p for p in (ROOT / package).rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for mod, path in files.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    anchor = anchor[: len(anchor) - (node.level - 1)]
+                    base = ".".join([*anchor, base]) if base else ".".join(anchor)
+                targets = [f"{base}.{a.name}" for a in node.names] + [base]
+            for t in targets:
+                # the longest known module the name refers to (`from a.b import c` may import module a.b.c)
+                while t and t not in files:
+                    t = t.rpartition(".")[0]
+                if t and t != mod:
+                    graph[mod].add(t)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_in_slime() -> None:
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_check_can_fail() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_ground_floor_imports_nothing_above_it() -> None:
+    """`slime/utils` and `slime/parallel_state.py` are imported by every room; they import no room."""
+    graph = import_graph()
+    ground = {m for m in graph if m.startswith("slime.utils") or m == "slime.parallel_state"}
+    upward = {m: sorted(t for t in graph[m] if t not in ground and t != "slime") for m in ground}
+    assert {m: t for m, t in upward.items() if t} == {}
+
+
+def test_slime_never_imports_sim() -> None:
+    graph = import_graph()
+    assert {
+        m: sorted(t for t in ts if t.startswith("sim"))
+        for m, ts in graph.items()
+        if any(t.startswith("sim") for t in ts)
+    } == {}
