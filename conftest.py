@@ -1,6 +1,6 @@
 """Root pytest hooks: every test must be marked `cpu` or `gpu`; under CI=true a cpu test may not skip.
 
-Why: a test that silently skips in CI proves nothing (design.md §6). Real components are installed by
+Why: a test that silently skips in CI proves nothing (docs/testing.md). Real components are installed by
 .ci/run, so a skip there means a broken install, which must fail loudly.
 """
 
@@ -20,7 +20,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     unmarked = [it.nodeid for it in items if not ({"cpu", "gpu"} & {m.name for m in it.iter_markers()})]
     if unmarked:
-        raise pytest.UsageError("tests without a `cpu` or `gpu` marker (design.md §6):\n  " + "\n  ".join(unmarked))
+        raise pytest.UsageError("tests without a `cpu` or `gpu` marker (docs/testing.md):\n  " + "\n  ".join(unmarked))
     for it in items:
         names = {m.name for m in it.iter_markers()}
         if "slow" in names and "cpu" not in names:

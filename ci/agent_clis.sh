@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Installs the pinned agent CLIs the gateway is tested against (design.md §6) into a project-local prefix.
+# Installs the pinned agent CLIs the gateway is tested against (docs/testing.md) into a project-local prefix.
 #   @anthropic-ai/claude-code@2.1.197 (native binary, package claude-code-linux-x64)
 #   @openai/codex@0.171.0             (musl binary, package codex-linux-x64)
 # Idempotent: an existing install at the pinned versions is kept. Prints the versions.
 # Usage: ci/agent_clis.sh [PREFIX]   (default: <repo>/.agent-clis, or $SLIME_AGENT_CLIS_PREFIX)
-# The tests find the binaries through the same prefix (slime/agent/harness/cli_paths.py).
+# The tests find the binaries through the same prefix (slime/agent/harness/cli.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PREFIX="${1:-${SLIME_AGENT_CLIS_PREFIX:-$PWD/.agent-clis}}"

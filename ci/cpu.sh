@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set-up for the CPU suite (design.md §6): system packages, .venv, agent CLIs, SGLang side venv, lint.
+# Set-up for the CPU suite (docs/testing.md): system packages, .venv, agent CLIs, SGLang side venv, lint.
 # .ci/run calls this, then runs the README's test command and the slow tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."

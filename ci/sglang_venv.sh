@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Side venv with SGLang 0.5.23's Python package, used only to read its server CLI (ServerArgs.add_cli_args):
 # the flag snapshot generator and the tests that parse the argv slime builds run here. SGLang's own pins
-# (torch 2.14.1 CUDA, transformers 5.19) clash with the main env, so it lives apart (design.md §6).
+# (torch 2.14.1 CUDA, transformers 5.19) clash with the main env, so it lives apart (docs/testing.md).
 #
 #   bash ci/sglang_venv.sh [VENV_DIR=.venv-sglang]
 #
@@ -14,8 +14,8 @@ PY="${PYTHON:-python3}"
 t0=$(date +%s)
 say() { echo "[sglang_venv +$(( $(date +%s) - t0 ))s] $*"; }
 
-# Exact pins. sglang goes in with --no-deps: these are the modules `sglang.srt.server_args` imports
-# (dependency-probes.md §3.2), not its 4 GB runtime. triton is replaced by ci/triton_stub.
+# Exact pins. sglang goes in with --no-deps: these are only the modules importing `sglang.srt.server_args`
+# needs (check_import below proves it), not its 4 GB runtime. triton is replaced by ci/triton_stub.
 TORCH_PIN="torch==2.13.0"                 # the CPU wheel pip finds on local disk
 SGLANG_PIN="sglang==0.5.23"
 DEPS=(

@@ -91,7 +91,7 @@ async def generate(
         sample.status = Status.ABORTED
         return sample
 
-    # score the whole trajectory once; every segment inherits it (spec §5.1: one trajectory, one reward)
+    # score the whole trajectory once; every segment inherits it (one trajectory, one reward: docs/algorithms.md)
     full = dataclasses.replace(sample, response="".join(texts), status=status)
     reward = await async_rm(args, full)
     sample.status = status

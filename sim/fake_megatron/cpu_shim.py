@@ -1,7 +1,7 @@
 """Run real megatron-core 0.16.1 on a CPU-only torch, for tests and the laptop quick start.
 
 Why a shim and not a fork: megatron-core hard-codes `device="cuda"`, `torch.cuda.current_device()` and the
-CUDA RNG tracker in ~40 places (dependency-probes §2.3). Rather than patch those files, this module
+CUDA RNG tracker in ~40 places (docs/megatron_contract.md#the-cpu-shim). Rather than patch those files, this module
 (1) redirects CUDA device literals to the CPU through a process-wide `TorchFunctionMode`, (2) aliases the
 CUDA RNG functions megatron calls to the CPU generator, so its RNG tracker (dropout forks, seeds) works,
 and (3) replaces the gradient clipper, whose fp32 path asserts `torch.cuda.FloatTensor`.
@@ -103,7 +103,7 @@ def _patch_megatron() -> None:
 
 
 def enable_distributed_optimizer() -> None:
-    """Opt-in: let megatron's DistributedOptimizer accept CPU tensors (dependency-probes §2.3, error 6).
+    """Opt-in: let megatron's DistributedOptimizer accept CPU tensors (without it, its CUDA type check refuses them).
 
     It checks `param.type()` against the `torch.cuda.*Tensor` names, so while the shim's mode is active
     `Tensor.type()` without arguments reports the CUDA name of a CPU tensor. That is a lie every other caller

@@ -2,6 +2,10 @@
 
 Prints ``fake_sglang ready http://HOST:PORT engine=E`` on stdout once it serves; SIGTERM / SIGINT abort
 in-flight requests (their clients get finish_reason abort) and exit 0.
+
+Multi-node (``--nnodes N --node-rank K --dist-init-addr HOST:PORT``, SGLang's flags): node rank 0 is the engine and
+prints its ready line once every other node rank has joined; node ranks >= 1 serve nothing (multinode.py).
+Every listening socket binds the host it was given (``--host``, the dist-init host), never all interfaces.
 """
 
 from __future__ import annotations
@@ -12,10 +16,17 @@ import logging
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-logger = logging.getLogger("sim.fake_sglang")
+from sim.fake_sglang.multinode import NodeRendezvous, parse_dist_init_addr, run_follower
+
+if TYPE_CHECKING:  # node ranks >= 1 never build an engine: they do not import torch
+    from sim.fake_sglang.engine import Engine
+
+logger = logging.getLogger(__name__)
+DEFAULT_DIST_TIMEOUT_S = 300.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,7 +54,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--disaggregation-timeout-s", type=float, default=30.0, help="decode: wait this long for prefill")
     p.add_argument("--fault", choices=["none", "hang", "slow", "error"], default="none", help="inject a fault")
     p.add_argument("--fault-delay-s", type=float, default=1.0, help="per-request delay of --fault slow")
+    # SGLang's names (server_args.py): one server process per node of an engine larger than a node.
+    p.add_argument("--nnodes", type=int, default=1, help="nodes the engine spans")
+    p.add_argument("--node-rank", type=int, default=0, help="this process's node; 0 serves HTTP")
+    p.add_argument("--dist-init-addr", default=None, help="HOST:PORT where node rank 0 gathers the other nodes")
+    p.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=None,
+        help=f"seconds to wait for the other nodes (default {DEFAULT_DIST_TIMEOUT_S:.0f})",
+    )
     a = p.parse_args(argv)
+    if a.nnodes < 1:
+        p.error(f"--nnodes must be at least 1, got {a.nnodes}")
+    if not 0 <= a.node_rank < a.nnodes:
+        p.error(f"--node-rank {a.node_rank} is not in [0, --nnodes {a.nnodes})")
+    if a.nnodes > 1 and not a.dist_init_addr:
+        p.error(f"--nnodes {a.nnodes} needs --dist-init-addr HOST:PORT (node rank 0's address)")
+    if a.dist_init_addr is not None:
+        try:
+            parse_dist_init_addr(a.dist_init_addr)
+        except ValueError as e:
+            p.error(f"--dist-init-addr: {e}")
     if a.engine in ("hf", "scripted") and not a.model_path:
         p.error(f"--engine {a.engine} needs --model-path")
     if a.engine == "scripted" and not a.script:
@@ -53,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def build_engine(a: argparse.Namespace):
+def build_engine(a: argparse.Namespace) -> Engine:
     common = {"max_running_requests": a.max_running_requests, "random_seed": a.random_seed}
     if a.engine == "hf":
         from sim.fake_sglang.hf_engine import HFEngine
@@ -68,9 +100,14 @@ def build_engine(a: argparse.Namespace):
     return SyntheticEngine(config=load_config(a.synthetic_config), **common)
 
 
-async def serve(a: argparse.Namespace) -> None:
-    from sim.fake_sglang.server import build_app
+async def serve(a: argparse.Namespace) -> int:
+    """Node rank 0 (or a single-node engine): the HTTP server. Returns the exit code."""
+    from sim.fake_sglang.server import STATE_KEY, build_app
 
+    nodes = None
+    if a.nnodes > 1:
+        nodes = NodeRendezvous(*parse_dist_init_addr(a.dist_init_addr), a.nnodes)
+        await nodes.start()
     engine = build_engine(a)
     server_args = {
         "model_path": a.model_path,
@@ -86,6 +123,9 @@ async def serve(a: argparse.Namespace) -> None:
         "fake_engine": a.engine,
         "disaggregation_mode": a.disaggregation_mode,
         "disaggregation_bootstrap_port": a.disaggregation_bootstrap_port,
+        "nnodes": a.nnodes,
+        "node_rank": a.node_rank,
+        "dist_init_addr": a.dist_init_addr,
     }
     rooms = None
     if a.disaggregation_mode == "prefill":
@@ -98,9 +138,8 @@ async def serve(a: argparse.Namespace) -> None:
         request_log=a.request_log,
         prefill_rooms=rooms,
         pd_timeout_s=a.disaggregation_timeout_s,
+        nodes=nodes,
     )
-    from sim.fake_sglang.server import STATE_KEY
-
     app[STATE_KEY]["fault"] = {"mode": a.fault, "delay_s": a.fault_delay_s}
     loop_task = asyncio.create_task(engine.run())
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
@@ -116,7 +155,12 @@ async def serve(a: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"fake_sglang ready http://{a.host}:{a.port} engine={a.engine}", flush=True)
+    code = 0
+    if nodes is not None and not await _all_nodes_joined(nodes, stop, a.dist_timeout or DEFAULT_DIST_TIMEOUT_S):
+        code = 1 if not stop.is_set() else 0
+        stop.set()
+    if not stop.is_set():
+        print(f"fake_sglang ready http://{a.host}:{a.port} engine={a.engine}", flush=True)
     await stop.wait()
     logger.info("shutting down: aborting %d in-flight requests", engine.num_unfinished)
     await engine.stop()
@@ -124,11 +168,30 @@ async def serve(a: argparse.Namespace) -> None:
     await runner.cleanup()
     if boot_runner is not None:
         await boot_runner.cleanup()
+    if nodes is not None:
+        await nodes.close()  # the other node ranks see the connection end and exit
     loop_task.cancel()
     try:
         await loop_task
     except asyncio.CancelledError:
         pass
+    return code
+
+
+async def _all_nodes_joined(nodes: NodeRendezvous, stop: asyncio.Event, timeout_s: float) -> bool:
+    """Wait for every node rank (False on timeout, logged, or when stopped first)."""
+    joined = asyncio.create_task(nodes.all_joined.wait())
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait([joined, stopped], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    for t in (joined, stopped):
+        t.cancel()
+    if nodes.all_joined.is_set():
+        return True
+    if not stop.is_set():
+        logger.error(
+            "node ranks %s did not join %s:%d within %.0fs", nodes.missing(), nodes.host, nodes.port, timeout_s
+        )
+    return False
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -136,8 +199,10 @@ def main(argv: list[str] | None = None) -> None:
         level=os.environ.get("FAKE_SGLANG_LOG_LEVEL", "WARNING"), format="%(asctime)s %(name)s %(message)s"
     )
     a = parse_args(argv)
-    asyncio.run(serve(a))
-    sys.exit(0)
+    if a.node_rank > 0:
+        timeout = a.dist_timeout or DEFAULT_DIST_TIMEOUT_S
+        sys.exit(asyncio.run(run_follower(a.dist_init_addr, a.node_rank, a.nnodes, timeout)))
+    sys.exit(asyncio.run(serve(a)))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from sim.fake_sglang.validation import CHECK_WEIGHTS, RequestError, read_body
+
 logger = logging.getLogger(__name__)
 
 ACTIONS = ("checksum", "snapshot", "reset_tensors", "compare")
@@ -121,22 +123,22 @@ def register_weights_checker(app: web.Application, engine: Any) -> None:
     checker = WeightChecker(lambda: engine.model)
 
     async def weights_checker(request: web.Request) -> web.Response:
-        body: dict[str, Any] = {}
-        if request.can_read_body:
-            try:
-                body = await request.json() or {}
-            except ValueError:
-                return web.json_response({"success": False, "message": "invalid JSON body"}, status=400)
-        request["log"]["body"] = body
-        action = body.get("action", "checksum")
+        # http_server.py check_weights: an optional CheckWeightsReqInput body, validated like every other one
+        try:
+            raw = await read_body(request)
+            body = CHECK_WEIGHTS.validate(raw, required=False) or CHECK_WEIGHTS.validate({})
+        except RequestError as e:  # handled here: the checker also serves apps without the server's middleware
+            return e.response
+        request["log"]["body"] = raw if isinstance(raw, dict) else {}
+        action = body["action"]
         if action not in ACTIONS:
             return web.json_response({"success": False, "message": f"Unsupported action={action!r}"}, status=400)
-        if getattr(engine, "model", None) is None:
+        if engine.model is None:
             msg = f"the {engine.name} engine holds no weights"
             return web.json_response({"success": False, "message": msg}, status=400)
         try:
             async with engine.step_lock:  # never hash half of an update or a running step
-                info = await asyncio.to_thread(checker.handle, action, body.get("skip_tensor_list"))
+                info = await asyncio.to_thread(checker.handle, action, body["skip_tensor_list"])
         except ValueError as e:
             logger.warning("weights_checker %s failed: %s", action, e)
             return web.json_response({"success": False, "message": str(e)}, status=400)
@@ -147,4 +149,5 @@ def register_weights_checker(app: web.Application, engine: Any) -> None:
             request["log"]["per_engine_checksum"] = out["per_engine_checksum"]
         return web.json_response(out)
 
-    app.router.add_route("*", "/weights_checker", weights_checker)
+    app.router.add_get("/weights_checker", weights_checker)  # http_server.py: GET and POST
+    app.router.add_post("/weights_checker", weights_checker)

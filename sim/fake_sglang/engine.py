@@ -39,6 +39,7 @@ class Engine(ABC):
     """Owns all requests of one fake server; `run()` is the scheduler loop (one asyncio task)."""
 
     name = "base"
+    model: Any = None  # the torch module of engines that hold weights (weights_checker reads it)
 
     def __init__(self, *, tokenizer: Any = None, max_running_requests: int = 64, random_seed: int = 0) -> None:
         self.tokenizer = tokenizer
@@ -108,12 +109,16 @@ class Engine(ABC):
         if self.released_tags:
             # SGLang has no KV cache / weights to run on after release_memory_occupation.
             raise BadRequest(f"memory is released (tags={sorted(self.released_tags)}); call resume_memory_occupation")
-        params = SamplingParams.from_json(item.get("sampling_params"))
+        vocab = self.vocab_size()
+        params = SamplingParams.from_json(item.get("sampling_params"), vocab)
         if "input_ids" in item:
             prompt_ids = [int(t) for t in item["input_ids"]]
         else:
             prompt_ids = self.encode(item["text"])
-        vocab = self.vocab_size()
+        if not prompt_ids:  # an empty text: SGLang's scheduler would get a prompt of no tokens
+            raise BadRequest("The input is empty: the prompt has no tokens.")
+        # SGLang 0.5.23 does not range-check prompt ids before the model (an out-of-range id trips a device-side
+        # assert in the embedding); the fake refuses them as the client error they are.
         if vocab and any(t < 0 or t >= vocab for t in prompt_ids):
             raise BadRequest(f"input_ids out of range for vocab size {vocab}")
         if item["rid"] in self.requests:

@@ -5,7 +5,8 @@ Why: property tests register / remove workers and send thousands of requests; th
 `{"status": "accepted", "worker_id", "url", "location", "message"}`; `GET /workers` answers
 `{"workers": [...], "total", "stats": {prefill_count, decode_count, regular_count}}`; `DELETE /workers/{id}`
 202; a non-UUID id 400; `/generate` with no worker 503 `{"error": {"type", "code": "no_available_workers",
-"message"}}`; `/health` 200 "OK"). Integration tests must use the real router (design.md §6).
+"message"}}`; `/health` 200 "OK"). Malformed bodies get the real router's 415 / 400 / 422 plain-text answers
+(router_body.py). Integration tests use the real router: only it shows what the real one does.
 
 Policies: round_robin, random, and manual — sticky per `X-SMG-Routing-Key` header (0.3.2's `manual`
 policy); here by consistent hashing over a ring of virtual nodes, so removing a worker only moves its keys.
@@ -27,6 +28,8 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+
+from sim.fake_sglang.router_body import GENERATE_REQUEST, WORKER_CONFIG, Rejected, decode_json, uuid_error
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 POLICIES = ("round_robin", "random", "manual")
@@ -127,7 +130,18 @@ class Router:
 
 
 def build_router_app(router: Router) -> web.Application:
+    """The router's HTTP surface over `router`; /generate is proxied to the selected worker as it came."""
     session: dict[str, aiohttp.ClientSession] = {}
+
+    def bad_id(wid: str) -> web.Response | None:
+        err = uuid_error(wid)
+        if err is None:
+            return None
+        msg = f"Invalid worker_id '{wid}' (expected UUID). Error: {err}"
+        return web.json_response({"error": msg, "code": "BAD_REQUEST"}, status=400)
+
+    def not_found(wid: str) -> web.Response:
+        return web.json_response({"error": f"Worker {wid} not found", "code": "WORKER_NOT_FOUND"}, status=404)
 
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="OK")
@@ -136,18 +150,18 @@ def build_router_app(router: Router) -> web.Application:
         return web.json_response(router.list_json())
 
     async def get_worker(request: web.Request) -> web.Response:
-        w = router.workers.get(request.match_info["wid"])
+        wid = request.match_info["wid"]
+        w = router.workers.get(wid)
         if w is None:
-            return web.json_response({"error": "Worker not found", "code": "NOT_FOUND"}, status=404)
+            return bad_id(wid) or not_found(wid)
         return web.json_response(w.to_json(router.load.get(w.id, 0)))
 
     async def add_worker(request: web.Request) -> web.Response:
         try:
-            body = await request.json()
-            url = body["url"]
-        except (ValueError, KeyError, TypeError):
-            return web.Response(status=422, text="Failed to deserialize the JSON body: missing field `url`")
-        w = router.add(url, body.get("worker_type") or "regular", body.get("bootstrap_port"))
+            body = decode_json(await request.read(), request.headers.get("Content-Type"), WORKER_CONFIG)
+        except Rejected as e:
+            return e.response
+        w = router.add(body["url"], body.get("worker_type") or "regular", body.get("bootstrap_port"))
         return web.json_response(
             {
                 "status": "accepted",
@@ -161,20 +175,22 @@ def build_router_app(router: Router) -> web.Application:
 
     async def delete_worker(request: web.Request) -> web.Response:
         wid = request.match_info["wid"]
-        try:
-            uuid.UUID(wid)
-        except ValueError:
-            return web.json_response(
-                {"error": f"Invalid worker_id '{wid}' (expected UUID).", "code": "BAD_REQUEST"}, status=400
-            )
+        invalid = bad_id(wid)
+        if invalid is not None:
+            return invalid
         if not router.remove(wid):
-            return web.json_response({"error": f"Worker {wid} not found", "code": "NOT_FOUND"}, status=404)
+            return not_found(wid)
         return web.json_response(
             {"status": "accepted", "worker_id": wid, "message": "Worker removal queued for background processing"},
             status=202,
         )
 
     async def proxy(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        try:
+            decode_json(body, request.headers.get("Content-Type"), GENERATE_REQUEST)  # before a worker is picked
+        except Rejected as e:
+            return e.response
         w = router.select(request.headers.get(ROUTING_KEY_HEADER))
         if w is None:
             err = {
@@ -185,7 +201,6 @@ def build_router_app(router: Router) -> web.Application:
             return web.json_response({"error": err}, status=503)
         if "s" not in session:
             session["s"] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
-        body = await request.read()
         headers = {
             k: v for k, v in request.headers.items() if k.lower() in ("content-type", ROUTING_KEY_HEADER.lower())
         }
@@ -207,7 +222,14 @@ def build_router_app(router: Router) -> web.Application:
         if "s" in session:
             await session["s"].close()
 
-    app = web.Application(client_max_size=1 << 30)
+    @web.middleware
+    async def bare_route_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as e:
+            return web.Response(status=e.status)  # axum: an unknown route or method gets an empty body
+
+    app = web.Application(client_max_size=1 << 30, middlewares=[bare_route_errors])
     app.router.add_get("/health", health)
     app.router.add_get("/workers", list_workers)
     app.router.add_post("/workers", add_worker)

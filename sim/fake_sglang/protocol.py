@@ -1,12 +1,13 @@
 """SGLang 0.5.23 wire shapes the fake speaks: sampling params, finish reasons, request state, `meta_info`.
 
-Every field mirrored here names the SGLang source file it comes from; a fake that drifts from SGLang's real
-shapes is a bug (docs/design.md §2.1, §6).
+Every field mirrored here names the SGLang source file it comes from: slime is tested against these shapes, so a
+fake that drifts from SGLang's real ones hides the bugs it exists to find.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -30,10 +31,17 @@ _SAMPLING_KEYS = {
     "sampling_seed": None,
     "n": 1,
 }
+# Keys SGLang's verify() range-checks although the fake's sampler ignores them, with SGLang's defaults.
+_VERIFIED_ONLY = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0}
 
 
 class BadRequest(ValueError):
-    """A client error; the server answers 400 like SGLang's `_create_error_response`."""
+    """A client error SGLang reports as a ValueError: 400 `{"error": {"message": ...}}` (`_create_error_response`)."""
+
+
+def _check_range(ok: bool, message: str) -> None:
+    if not ok:
+        raise BadRequest(message)
 
 
 @dataclass
@@ -52,26 +60,42 @@ class SamplingParams:
     sampling_seed: int | None = None
 
     @classmethod
-    def from_json(cls, d: dict[str, Any] | None) -> SamplingParams:
+    def from_json(cls, d: dict[str, Any] | None, vocab_size: int = 0) -> SamplingParams:
+        """Build from a body whose types contract.py has already checked; ranges are checked here with the
+        messages of python/sglang/srt/sampling/sampling_params.py `SamplingParams.verify`."""
         d = dict(d or {})
-        # Unknown keys are ignored, as SGLang ignores keys it does not know only for a few; we stay lenient
-        # because slime passes through whatever `--sglang-*` sampling defaults the user set.
         kw = {k: d[k] for k in _SAMPLING_KEYS if k in d and d[k] is not None and k != "n"}
         stop = kw.get("stop")
         kw["stop"] = [stop] if isinstance(stop, str) else list(stop or [])
         kw["stop_token_ids"] = [int(t) for t in kw.get("stop_token_ids") or []]
-        if int(d.get("n") or 1) != 1:
+        if (d.get("n") or 1) != 1:
             raise BadRequest("fake_sglang supports n=1 only; send one request per sample")
         p = cls(**kw)
-        if p.max_new_tokens is None or int(p.max_new_tokens) < 0:
-            raise BadRequest(f"max_new_tokens must be at least 0, got {p.max_new_tokens}")
-        if p.temperature < 0:
-            raise BadRequest(f"temperature must be non-negative, got {p.temperature}")
-        if not 0 < p.top_p <= 1:
-            raise BadRequest(f"top_p must be in (0, 1], got {p.top_p}")
-        if p.top_k == 0 or p.top_k < -1:
-            raise BadRequest(f"top_k must be -1 (disable) or at least 1, got {p.top_k}")
-        p.max_new_tokens = int(p.max_new_tokens)
+        # verify() reads these with SGLang's defaults for the keys the fake does not use
+        extra = {k: d[k] if d.get(k) is not None else default for k, default in _VERIFIED_ONLY.items()}
+        _check_range(math.isfinite(p.temperature) and p.temperature >= 0,
+                     f"temperature must be a non-negative finite number, got {p.temperature}.")  # fmt: skip
+        _check_range(0.0 < p.top_p <= 1.0, f"top_p must be in (0, 1], got {p.top_p}.")
+        _check_range(0.0 <= p.min_p <= 1.0, f"min_p must be in [0, 1], got {p.min_p}.")
+        _check_range(p.top_k == -1 or p.top_k >= 1, f"top_k must be -1 (disable) or at least 1, got {p.top_k}.")
+        for name in ("frequency_penalty", "presence_penalty"):
+            _check_range(-2.0 <= extra[name] <= 2.0, f"{name} must be in [-2, 2], got {extra[name]}.")
+        rp = extra["repetition_penalty"]
+        _check_range(0.0 < rp <= 2.0, f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {rp}.")
+        mn = extra["min_new_tokens"]
+        _check_range(mn >= 0, f"min_new_tokens must be in [0, max_new_tokens], got {mn}.")
+        _check_range(p.max_new_tokens >= 0, f"max_new_tokens must be at least 0, got {p.max_new_tokens}.")
+        _check_range(mn <= p.max_new_tokens, f"min_new_tokens must be in [0, max_new_tokens({p.max_new_tokens})], got {mn}.")  # fmt: skip
+        for token_id in d.get("logit_bias") or {}:
+            try:
+                tid = int(token_id)
+            except ValueError as e:
+                raise BadRequest(str(e)) from None
+            _check_range(not vocab_size or 0 <= tid < vocab_size,
+                         f"logit_bias must has keys in [0, {vocab_size - 1}], got {token_id}.")  # fmt: skip
+        seed = p.sampling_seed
+        _check_range(seed is None or -(2**63) <= seed <= 2**63 - 1,
+                     f"sampling_seed must be in [-2**63, 2**63 - 1], got {seed}.")  # fmt: skip
         return p
 
 
@@ -130,45 +154,63 @@ def new_rid() -> str:
 
 
 def normalize_generate_body(body: dict[str, Any]) -> tuple[bool, list[dict[str, Any]]]:
-    """Split a `/generate` body into per-prompt dicts; return (is_batch, items).
+    """Split a contract-checked `/generate` body into per-prompt dicts; return (is_batch, items).
 
-    python/sglang/srt/managers/io_struct.py: GenerateReqInput — `text` or `input_ids` (one prompt, or a list
-    = a batch); `sampling_params`, `return_logprob`, `rid` may be one value or one per prompt; a single
-    string `rid` for a batch is used as a prefix of per-item ids.
+    python/sglang/srt/managers/io_struct.py: GenerateReqInput.normalize_batch_and_arguments — `text` or `input_ids`
+    (one prompt, or a list = a batch; input_ids win when both are given, as in tokenizer_manager.py); `sampling_params`,
+    `return_logprob`, `rid` may be one value or one per prompt; a single string `rid` for a batch is used as a prefix
+    of per-item ids. Failures are ValueErrors there (400 `{"error": {"message"}}`), with the messages used here.
     """
     text, input_ids = body.get("text"), body.get("input_ids")
-    if (text is None) == (input_ids is None):
-        raise BadRequest("Either text or input_ids should be provided.")
-    if text is not None:
-        is_batch = isinstance(text, list)
-        prompts = [{"text": t} for t in (text if is_batch else [text])]
+    if text is None and input_ids is None:
+        raise BadRequest("Either text, input_ids or input_embeds should be provided.")
+    if input_ids is not None:
+        if not input_ids:
+            raise BadRequest("input_ids cannot be empty.")
+        is_batch = isinstance(input_ids[0], list)
+        rows = input_ids if is_batch else [input_ids]
+        if any(not r for r in rows):  # SGLang has no check of its own here: its scheduler gets an empty prompt
+            raise BadRequest("input_ids cannot be empty.")
+        prompts = [{"input_ids": ids} for ids in rows]
     else:
-        is_batch = bool(input_ids) and isinstance(input_ids[0], list)
-        prompts = [{"input_ids": ids} for ids in (input_ids if is_batch else [input_ids])]
+        is_batch = isinstance(text, list)
+        texts = text if is_batch else [text]
+        # SGLang's tokenizer raises TypeError on such a string; the fake refuses it as the client error it is.
+        if any(has_lone_surrogate(t) for t in texts):
+            raise BadRequest("text is not valid Unicode (a lone surrogate escape such as \\ud800); cannot tokenize")
+        prompts = [{"text": t} for t in texts]
     n = len(prompts)
 
     def per_item(key: str, default: Any) -> list[Any]:
-        v = body.get(key, default)
-        if is_batch and isinstance(v, list):
+        v = body.get(key)
+        v = default if v is None else v
+        if isinstance(v, list):
+            if not is_batch:
+                raise BadRequest(f"{key} should be a single value for a single request, got a list")
             if len(v) != n:
-                raise BadRequest(f"{key} has {len(v)} entries for {n} prompts")
+                raise BadRequest(f"The length of {key} ({len(v)}) should be equal to the batch size ({n}).")
             return v
         return [v] * n
 
     rid = body.get("rid")
     if is_batch:
         if isinstance(rid, list):
+            if len(rid) != n:
+                raise BadRequest("The specified rids length mismatch with the batch_size for batch processing.")
             rids = rid
         elif isinstance(rid, str):
             rids = [f"{rid}_{i}" for i in range(n)]
         else:
             rids = [new_rid() for _ in range(n)]
+    elif isinstance(rid, list):
+        raise BadRequest("The rid should be a string for a single request.")
     else:
         rids = [rid if rid is not None else new_rid()]
-    if len(set(rids)) != len(rids):
-        raise BadRequest(f"Duplicate request IDs detected within the request: {rids}")
+    duplicates = sorted({r for r in rids if rids.count(r) > 1})
+    if duplicates:
+        raise BadRequest(f"Duplicate request IDs detected within the request: {duplicates}")
 
-    sps = per_item("sampling_params", None)
+    sps = per_item("sampling_params", {})
     lps = per_item("return_logprob", False)
     items = []
     for i, p in enumerate(prompts):
@@ -178,11 +220,20 @@ def normalize_generate_body(body: dict[str, Any]) -> tuple[bool, list[dict[str, 
                 "rid": rids[i],
                 "sampling_params": sps[i] or {},
                 "return_logprob": bool(lps[i]),
-                "return_text_in_logprobs": bool(body.get("return_text_in_logprobs", False)),
-                "stream": bool(body.get("stream", False)),
+                "return_text_in_logprobs": bool(body.get("return_text_in_logprobs")),
+                "stream": bool(body.get("stream")),
             }
         )
     return is_batch, items
+
+
+def has_lone_surrogate(s: str) -> bool:
+    """JSON `"\\ud800"` decodes to a str that is not Unicode text (a surrogate pair decodes to one character)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def build_response(req: GenRequest, text: str, weight_version: str, token_texts: list[str] | None) -> dict[str, Any]:

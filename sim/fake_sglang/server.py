@@ -1,7 +1,8 @@
 """aiohttp app speaking SGLang 0.5.23's native HTTP API in front of a fake `Engine`.
 
-Routes and answer shapes mirror python/sglang/srt/entrypoints/http_server.py (cited per handler). Every
-request is appended to a JSONL log (`--request-log`) so tests can read what the engine did.
+Routes and answer shapes mirror python/sglang/srt/entrypoints/http_server.py (cited per handler); bodies are read
+and refused as SGLang refuses them (validation.py, contract.py), so malformed input gets SGLang's 4xx, never a 500.
+Every request is appended to a JSONL log (`--request-log`) so tests can read what the engine did.
 """
 
 from __future__ import annotations
@@ -14,10 +15,14 @@ from typing import Any
 
 from aiohttp import web
 
+from sim.fake_sglang import validation as v
 from sim.fake_sglang.checker import register_weights_checker
+from sim.fake_sglang.contract import generate_contract_error
 from sim.fake_sglang.disagg import PDError, PrefillRooms, await_prefill
 from sim.fake_sglang.engine import Engine
+from sim.fake_sglang.multinode import NodeRendezvous
 from sim.fake_sglang.protocol import BadRequest, GenRequest, build_response, normalize_generate_body
+from sim.fake_sglang.validation import RequestError, read_body
 from sim.fake_sglang.weight_group import register_weight_group_endpoints
 from sim.fake_sglang.weights import decode_payload
 
@@ -28,9 +33,10 @@ ENGINE_KEY = web.AppKey("engine", Engine)
 STATE_KEY = web.AppKey("state", dict)
 
 
-def _error(message: str, status: int = 400) -> web.Response:
-    # http_server.py: _create_error_response -> {"error": {"message": ...}}, 400
-    return web.json_response({"error": {"message": message}}, status=status)
+_error = v.error_message  # http_server.py `_create_error_response`: {"error": {"message": ...}}, 400
+# Endpoints that answer while a multi-node engine still waits for nodes (SGLang serves nothing then; the fake
+# answers what it is and why it is not ready).
+_NODE_FREE = ("/get_server_info", "/server_info", "/get_model_info", "/model_info", "/_fault")
 
 
 class RequestLog:
@@ -40,9 +46,14 @@ class RequestLog:
         self._f = open(path, "a", buffering=1) if path else None  # noqa: SIM115 - lives as long as the server
 
     def write(self, rec: dict[str, Any]) -> None:
-        if self._f is not None:
-            self._f.write(json.dumps(rec, default=str) + "\n")
-            self._f.flush()
+        if self._f is None:
+            return
+        try:
+            line = json.dumps(rec, default=str)
+        except (RecursionError, ValueError):  # a client's body nested too deeply to re-encode
+            line = json.dumps({**rec, "body": v.short_repr(rec.get("body"))}, default=str)
+        self._f.write(line + "\n")
+        self._f.flush()
 
     def close(self) -> None:
         if self._f is not None:
@@ -62,6 +73,10 @@ def _summary(resp: dict[str, Any]) -> dict[str, Any]:
 
 
 FAULT_MODES = ("none", "hang", "slow", "error")
+_FAULT = v.Model(
+    "FaultReq",
+    {"mode": v.Field(v.literal(*FAULT_MODES), default="none"), "delay_s": v.Field(v.lax_float, default=0.0)},
+)
 
 
 def build_app(
@@ -71,8 +86,10 @@ def build_app(
     request_log: str | None = None,
     prefill_rooms: PrefillRooms | None = None,
     pd_timeout_s: float = 30.0,
+    nodes: NodeRendezvous | None = None,
 ) -> web.Application:
-    """`prefill_rooms` set: this is a prefill engine; server_args["disaggregation_mode"] == "decode": a decode one."""
+    """`prefill_rooms` set: this is a prefill engine; server_args["disaggregation_mode"] == "decode": a decode one.
+    `nodes`: node rank 0 of a multi-node engine; it is not healthy while a node is missing."""
     log = RequestLog(request_log)
     state: dict[str, Any] = {"server_args": server_args, "fault": {"mode": "none", "delay_s": 0.0}}
     mode = server_args.get("disaggregation_mode") or "null"
@@ -99,6 +116,29 @@ def build_app(
         return await handler(request)
 
     @web.middleware
+    async def nodes_mw(request: web.Request, handler: Any) -> web.StreamResponse:
+        missing = nodes.missing() if nodes is not None else []
+        if not missing or request.path in _NODE_FREE:
+            return await handler(request)
+        if request.path in ("/health", "/health_generate"):
+            return web.Response(status=503)  # http_server.py health_generate while ServerStatus.Starting
+        return _error(f"the engine is waiting for node ranks {missing} to join", status=503)
+
+    @web.middleware
+    async def errors_mw(request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except RequestError as e:
+            return e.response
+        except BadRequest as e:
+            return _error(str(e))
+        except web.HTTPException as e:
+            answer = v.route_error(e.status)  # FastAPI's own 404 / 405 bodies
+            if answer is None:
+                raise
+            return answer
+
+    @web.middleware
     async def logging_mw(request: web.Request, handler: Any) -> web.StreamResponse:
         t0 = time.time()
         request["log"] = {}
@@ -109,30 +149,39 @@ def build_app(
         log.write(rec)
         return resp
 
-    async def body_of(request: web.Request) -> dict[str, Any]:
-        if not request.can_read_body:
-            return {}
-        try:
-            data = await request.json()
-        except json.JSONDecodeError as e:
-            raise BadRequest(f"invalid JSON body: {e}") from e
-        return data if isinstance(data, dict) else {"_list": data}
+    async def parsed(request: web.Request, model: v.Model, *, required: bool = True) -> dict[str, Any]:
+        """The validated body (SGLang's 400 on failure); the client's own JSON object goes to the request log."""
+        raw = await read_body(request)
+        if isinstance(raw, dict):
+            request["log"]["body"] = raw
+        out = model.validate(raw, required=required)
+        return out if out is not None else model.validate({})  # an optional body left out: the defaults
 
     # ---- /generate (http_server.py: generate_request; tokenizer_manager.py: generate_request) ----------
     async def generate(request: web.Request) -> web.StreamResponse:
+        body = await read_body(request)
+        request["log"]["body"] = body if isinstance(body, dict) else v.short_repr(body)
+        v.GENERATE.validate(body)  # FastAPI's parse of GenerateReqInput
+        contract = generate_contract_error(body)  # then the JSON contract (api_contract.py)
+        if contract is not None:
+            return v.contract_error(contract)
+        is_batch, items = normalize_generate_body(body)  # then tokenizer_manager.py's ValueErrors
         try:
-            body = await body_of(request)
-            request["log"]["body"] = body
-            is_batch, items = normalize_generate_body(body)
             if mode != "null":
                 items = await _disaggregate(request, body, is_batch, items)
-            reqs = [engine.submit(it) for it in items]
-        except BadRequest as e:
-            return _error(str(e))
         except PDError as e:
             logger.error("PD handshake failed: %s", e)
             request["log"]["pd_error"] = str(e)
             return _error(f"disaggregation: {e}", status=500)
+        reqs: list[GenRequest] = []
+        try:
+            for it in items:
+                reqs.append(engine.submit(it))
+        except BadRequest:
+            for r in reqs:  # a batch is admitted whole or not at all
+                engine.abort(rid=r.rid, message="batch refused")
+                engine.forget(r)
+            raise
         try:
             if body.get("stream"):
                 return await _stream(request, reqs, is_batch)
@@ -158,9 +207,12 @@ def build_app(
             raise BadRequest("batched /generate is not supported by a disaggregated fake engine")
         request["log"]["disaggregation_mode"] = mode
         request["log"]["bootstrap_room"] = body.get("bootstrap_room")
+        if any(isinstance(body.get(k), list) for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room")):
+            raise BadRequest("bootstrap_host, bootstrap_port and bootstrap_room are single values for one request")
+        missing = [k for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room") if body.get(k) is None]
+        if (mode == "decode" and missing) or (mode == "prefill" and "bootstrap_room" in missing):
+            raise BadRequest(f"a {mode} engine needs {', '.join(missing)} (requests come through a PD router)")
         if mode == "prefill":
-            if body.get("bootstrap_room") is None:
-                raise PDError("prefill engine got a request without bootstrap_room (not dispatched by a PD router)")
             assert prefill_rooms is not None
             prefill_rooms.publish(body["bootstrap_room"], body)
             # the prefill computes the prompt and the first token; decode produces the answer the client sees
@@ -171,10 +223,10 @@ def build_app(
         return items
 
     async def fault(request: web.Request) -> web.Response:
-        body = await body_of(request)
-        if body.get("mode", "none") not in FAULT_MODES:
-            return _error(f"mode must be one of {FAULT_MODES}")
-        state["fault"] = {"mode": body.get("mode", "none"), "delay_s": float(body.get("delay_s", 0.0))}
+        body = await parsed(request, _FAULT, required=False)
+        if not body["delay_s"] >= 0:
+            return _error(f"delay_s must be a non-negative number, got {body['delay_s']}")
+        state["fault"] = {"mode": body["mode"], "delay_s": body["delay_s"]}
         logger.warning("fault injected: %s", state["fault"])
         return web.json_response(state["fault"])
 
@@ -237,7 +289,7 @@ def build_app(
         await r.done.wait()
 
     async def model_info(request: web.Request) -> web.Response:
-        # http_server.py: get_model_info
+        # http_server.py: model_info (the engine's weight version is read here: 0.5.23 has no /get_weight_version)
         sa = state["server_args"]
         return web.json_response(
             {
@@ -264,22 +316,19 @@ def build_app(
         }
         return web.json_response({**sa, "internal_states": [internal], "version": SGLANG_VERSION})
 
-    async def weight_version(request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": engine.weight_version})
-
     async def abort_request(request: web.Request) -> web.Response:
-        # http_server.py: abort_request(AbortReq{rid, abort_all}) -> 200 empty.
-        try:
-            body = await body_of(request)
-        except BadRequest as e:
-            return _error(str(e))
-        request["log"]["body"] = body
-        n = engine.abort(rid=body.get("rid"), abort_all=bool(body.get("abort_all", False)))
-        request["log"]["aborted"] = n
+        # http_server.py: abort_request(AbortReq{rid, abort_all}) -> 200 empty. tokenizer_manager.py
+        # `abort_request`: an unknown rid is no error, and an empty rid without abort_all is ignored (it would
+        # prefix-match every request).
+        body = await parsed(request, v.ABORT)
+        if body["abort_all"] or body["rid"]:
+            request["log"]["aborted"] = engine.abort(rid=body["rid"], abort_all=body["abort_all"])
         return web.Response(status=200)
 
     async def flush_cache(request: web.Request) -> web.Response:
-        # http_server.py: flush_cache -> 200 text, 400 when requests are running or waiting.
+        # http_server.py: flush_cache(timeout: Query(0.0, ge=0.0)) -> 200 text, 400 when requests are running or
+        # waiting. It takes no body.
+        v.non_negative_float_query(request, "timeout", 0.0)
         ok = engine.flush_cache()
         return web.Response(
             text="Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
@@ -289,61 +338,50 @@ def build_app(
 
     async def pause_generation(request: web.Request) -> web.Response:
         # io_struct.py: PauseGenerationReqInput.mode in {abort, retract, in_place}, default abort.
-        try:
-            body = await body_of(request)
-            request["log"]["body"] = body
-            await engine.pause(body.get("mode", "abort"))
-        except BadRequest as e:
-            return _error(str(e))
+        body = await parsed(request, v.PAUSE)
+        await engine.pause(body["mode"])
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(request: web.Request) -> web.Response:
+        await parsed(request, v.CONTINUE)
         engine.continue_generation()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def _weights_common(request: web.Request, body: dict[str, Any], load: Any) -> web.Response:
         # http_server.py: update_weights_from_* -> {"success", "message"}, 200 or 400; weight_version set
         # only on success (_update_weight_version_if_provided).
-        if body.get("abort_all_requests"):
+        if body["abort_all_requests"]:
             engine.abort(abort_all=True)
         try:
             await load()
-        except (BadRequest, ValueError, KeyError, TypeError, RuntimeError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - any failure to load (a bad pickle among them) is success=false
             logger.warning("weight update failed: %s", e)
             return web.json_response({"success": False, "message": f"Failed to update weights: {e}"}, status=400)
         message = "Succeeded to update model weights."
-        if body.get("weight_version") is not None:
-            engine.weight_version = str(body["weight_version"])
+        if body["weight_version"] is not None:
+            engine.weight_version = body["weight_version"]
             message += f" Weight version updated to {engine.weight_version}."
         return web.json_response({"success": True, "message": message})
 
     async def update_weights_from_tensor(request: web.Request) -> web.Response:
-        try:
-            body = await body_of(request)
-        except BadRequest as e:
-            return _error(str(e))
-        request["log"]["body"] = {k: v for k, v in body.items() if k != "serialized_named_tensors"}
-        request["log"]["body"]["num_serialized"] = len(body.get("serialized_named_tensors") or [])
+        body = await parsed(request, v.UPDATE_FROM_TENSOR)
+        raw = request["log"].get("body", {})
+        request["log"]["body"] = {k: x for k, x in raw.items() if k != "serialized_named_tensors"}
+        request["log"]["body"]["num_serialized"] = len(body["serialized_named_tensors"])
 
         async def load() -> None:
-            named = await asyncio.to_thread(
-                decode_payload, body.get("serialized_named_tensors") or [], body.get("load_format")
-            )
+            named = await asyncio.to_thread(decode_payload, body["serialized_named_tensors"], body["load_format"])
             request["log"]["tensor_names"] = [n for n, _ in named]
             await engine.load_named_tensors(named)
 
         return await _weights_common(request, body, load)
 
     async def update_weights_from_disk(request: web.Request) -> web.Response:
-        try:
-            body = await body_of(request)
-        except BadRequest as e:
-            return _error(str(e))
-        request["log"]["body"] = body
-        if not body.get("model_path"):
-            return _error("model_path is required")
+        body = await parsed(request, v.UPDATE_FROM_DISK)
 
         async def load() -> None:
+            if not body["model_path"]:
+                raise ValueError("model_path is empty")
             await engine.load_from_disk(body["model_path"])
             state["server_args"]["model_path"] = body["model_path"]
 
@@ -354,38 +392,29 @@ def build_app(
         return web.json_response(data, status=resp.status)
 
     async def update_weight_version(request: web.Request) -> web.Response:
-        body = await body_of(request)
-        if body.get("abort_all_requests"):
+        # io_struct.py UpdateWeightVersionReqInput: new_version required; abort_all_requests defaults to True.
+        body = await parsed(request, v.UPDATE_WEIGHT_VERSION)
+        if body["abort_all_requests"]:
             engine.abort(abort_all=True)
-        engine.weight_version = str(body.get("new_version", ""))
+        engine.weight_version = body["new_version"]
         return web.json_response(
             {"success": True, "message": f"Weight version updated to {engine.weight_version}",
              "new_version": engine.weight_version}
         )  # fmt: skip
 
     async def release_memory(request: web.Request) -> web.Response:
-        # http_server.py: release_memory_occupation(ReleaseMemoryOccupationReqInput{tags}) -> 200 empty.
-        try:
-            body = await body_of(request)
-            request["log"]["body"] = body
-            engine.release(body.get("tags"))
-        except BadRequest as e:
-            return _error(str(e))
+        # http_server.py: release_memory_occupation(ReleaseMemoryOccupationReqInput{tags}) -> 200 empty; a failure
+        # is `_create_error_response`.
+        body = await parsed(request, v.RELEASE_MEMORY)
+        engine.release(body["tags"])
         return web.Response(status=200)
 
     async def resume_memory(request: web.Request) -> web.Response:
-        body = await body_of(request)
-        request["log"]["body"] = body
-        engine.resume(body.get("tags"))
+        body = await parsed(request, v.RESUME_MEMORY)
+        engine.resume(body["tags"])
         return web.Response(status=200)
 
-    async def on_bad_request(request: web.Request, handler: Any) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except BadRequest as e:
-            return _error(str(e))
-
-    app = web.Application(middlewares=[fault_mw, logging_mw, web.middleware(on_bad_request)], client_max_size=1 << 30)
+    app = web.Application(middlewares=[fault_mw, logging_mw, nodes_mw, errors_mw], client_max_size=1 << 30)
     app[ENGINE_KEY] = engine
     app[STATE_KEY] = state
     r = app.router
@@ -397,9 +426,9 @@ def build_app(
         r.add_get(path, model_info)
     for path in ("/get_server_info", "/server_info"):
         r.add_get(path, server_info)
-    r.add_get("/get_weight_version", weight_version)
     r.add_post("/abort_request", abort_request)
-    r.add_route("*", "/flush_cache", flush_cache)
+    r.add_get("/flush_cache", flush_cache)
+    r.add_post("/flush_cache", flush_cache)
     r.add_post("/pause_generation", pause_generation)
     r.add_post("/continue_generation", continue_generation)
     r.add_post("/update_weights_from_tensor", update_weights_from_tensor)
@@ -407,9 +436,13 @@ def build_app(
     r.add_post("/update_weight_version", update_weight_version)
     # /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group and the
     # /begin_weight_update … /end_weight_update session (weight_group.py)
-    register_weight_group_endpoints(app, engine, state, int(server_args.get("tp_size") or 1))
-    r.add_route("*", "/release_memory_occupation", release_memory)
-    r.add_route("*", "/resume_memory_occupation", resume_memory)
+    register_weight_group_endpoints(app, engine, state, int(server_args.get("tp_size") or 1), server_args.get("host"))
+    for path, handler in (
+        ("/release_memory_occupation", release_memory),
+        ("/resume_memory_occupation", resume_memory),
+    ):
+        r.add_get(path, handler)
+        r.add_post(path, handler)
     r.add_post("/_fault", fault)
     register_weights_checker(app, engine)  # GET/POST /weights_checker (http_server.py: check_weights)
 

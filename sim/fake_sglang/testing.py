@@ -1,10 +1,14 @@
-"""Test helpers: start a fake server as a subprocess and always stop it (process group, SIGTERM then SIGKILL)."""
+"""Test helpers: start a fake server as a subprocess and always stop it.
+
+Processes are started and stopped with slime's own supervision (slime/utils/process.py): own process group,
+SIGTERM when the test process dies, SIGTERM to the group then SIGKILL. One implementation, so the fake is stopped
+exactly as slime stops the servers it launches.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -12,6 +16,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from slime.utils.http_utils import find_free_port
+from slime.utils.process import die_with_parent, stop_popen
+
+STOP_GRACE_S = 10.0  # a fake engine aborts its in-flight requests before it exits
 
 
 @dataclass
@@ -21,28 +28,24 @@ class Launched:
     ready_line: str
 
 
-def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> int | None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode
+def stop_process(proc: subprocess.Popen, grace: float = STOP_GRACE_S) -> int | None:
+    """`stop_popen` with the fake's grace period; kept because tests stop processes they start themselves."""
+    return stop_popen(proc, grace)
+
+
+def fake_env() -> dict[str, str]:
+    """The environment a fake server runs in: no network look-ups by the HF libraries."""
+    return dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
 
 
 @contextlib.contextmanager
 def launch_fake_sglang(
-    args: list[str], *, module: str = "sim.fake_sglang", timeout: float = 90.0
+    args: list[str], *, module: str = "sim.fake_sglang", timeout: float = 90.0, host: str = "127.0.0.1"
 ) -> Iterator[Launched]:
-    """Run ``python -m <module> --host 127.0.0.1 --port <free> <args>``; yield once it printed its ready line."""
-    port = find_free_port()
-    cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), *args]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True, env=env)
+    """Run ``python -m <module> --host <host> --port <free> <args>``; yield once it printed its ready line."""
+    port = find_free_port(host=host)
+    cmd = [sys.executable, "-m", module, "--host", host, "--port", str(port), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=fake_env(), preexec_fn=die_with_parent)
     try:
         deadline = time.time() + timeout
         line = ""
@@ -54,8 +57,8 @@ def launch_fake_sglang(
                 raise RuntimeError(f"{module} exited with {proc.returncode} before ready: {cmd}")
         else:
             raise TimeoutError(f"{module} not ready after {timeout}s")
-        yield Launched(f"http://127.0.0.1:{port}", proc, line.strip())
+        yield Launched(f"http://{host}:{port}", proc, line.strip())
     finally:
-        stop_process(proc)
+        stop_popen(proc, STOP_GRACE_S)
         if proc.stdout:
             proc.stdout.close()

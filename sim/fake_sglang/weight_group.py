@@ -2,8 +2,8 @@
 
 Endpoints (python/sglang/srt/entrypoints/http_server.py; bodies from python/sglang/srt/managers/io_struct.py):
 
-- ``POST /init_weights_update_group`` ``{master_address, master_port, rank_offset, world_size, group_name="weight_update_group",
-  backend="nccl"}`` → ``{"success", "message"}``, 200 or 400. Every TP rank of the engine joins the group as
+- ``POST /init_weights_update_group`` ``{master_address, master_port, rank_offset, world_size,
+  group_name="weight_update_group", backend="nccl"}`` → ``{"success", "message"}``, 200 or 400. Every TP rank of the engine joins the group as
   rank ``rank_offset + tp_rank`` (model_runner_components/weight_updater.py `init_weights_update_group`).
 - ``POST /update_weights_from_distributed`` ``{names, dtypes, shapes, group_name, flush_cache=true,
   abort_all_requests=false, weight_version=null, load_format=null}``: each rank receives the tensors by
@@ -17,10 +17,11 @@ Endpoints (python/sglang/srt/entrypoints/http_server.py; bodies from python/sgla
 How a k-GPU engine is faked: ``--tp-size k`` makes this one process join the group as k members, one
 thread per "GPU", each with its own gloo backend over the same rendezvous keys torch's process-group
 constructor uses (so a trainer that creates the group the way SGLang's `init_custom_process_group` does
-meets real peers). Every member receives every byte; the engine loads member 0's copy after checking that
+meets real peers); each member's gloo listens on the server's ``--host`` only. Every member receives every byte; the engine loads member 0's copy after checking that
 all members received identical bytes (they are TP replicas here; SGLang would shard).
 
-Each request's log record carries what tests read: the group's ``member_ranks`` and ``tp_size`` on init;
+Bodies are validated as SGLang's FastAPI layer does (validation.py): a malformed one is a 400 ``ErrorResponse``
+before any group is touched. Each request's log record carries what tests read: the group's ``member_ranks`` and ``tp_size`` on init;
 ``num_tensors``, ``bytes``, ``member_digests`` (SHA-256 of what each member received) on update.
 """
 
@@ -37,9 +38,10 @@ import torch
 import torch.distributed as dist
 from aiohttp import web
 
+from sim.fake_sglang import validation as v
+
 logger = logging.getLogger(__name__)
 
-DEFAULT_GROUP = "weight_update_group"
 JOIN_TIMEOUT_S = 300.0
 
 
@@ -53,7 +55,16 @@ def _dtype(name: str) -> torch.dtype:
 class WeightGroupMember:
     """One rank of the external group: the backend torch's group constructor would build for it."""
 
-    def __init__(self, backend: str, master_address: str, master_port: int, rank: int, world_size: int, name: str):
+    def __init__(
+        self,
+        backend: str,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        name: str,
+        bind_host: str | None = None,
+    ) -> None:
         from torch.distributed.distributed_c10d import Backend, BackendConfig, PrefixStore
 
         timeout = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
@@ -66,7 +77,13 @@ class WeightGroupMember:
         if len(set(devices.values())) != 1:
             raise ValueError(f"backend {backend!r}: one backend per device is not supported by the fake")
         if backend == "gloo":
-            self.pg = dist.ProcessGroupGloo(PrefixStore(f"{device}/", base), rank, world_size, timeout)
+            if bind_host and bind_host not in ("0.0.0.0", "::", ""):
+                opts = dist.ProcessGroupGloo._Options()
+                opts._timeout = timeout
+                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+                self.pg = dist.ProcessGroupGloo(PrefixStore(f"{device}/", base), rank, world_size, opts)
+            else:
+                self.pg = dist.ProcessGroupGloo(PrefixStore(f"{device}/", base), rank, world_size, timeout)
             self.device = torch.device("cpu")
         elif backend == "nccl":
             if not torch.cuda.is_available():
@@ -90,16 +107,24 @@ class WeightGroupMember:
 class WeightGroup:
     """The k members of this engine in one named group; blocking methods run in the group's own threads."""
 
-    def __init__(self, body: dict[str, Any], tp_size: int) -> None:
-        self.name = body.get("group_name") or DEFAULT_GROUP
-        self.backend = body.get("backend") or "nccl"
-        self.rank_offset = int(body["rank_offset"])
-        self.world_size = int(body["world_size"])
+    def __init__(self, body: dict[str, Any], tp_size: int, bind_host: str | None = None) -> None:
+        self.name = body["group_name"]
+        self.backend = body["backend"]
+        self.rank_offset = body["rank_offset"]
+        self.world_size = body["world_size"]
         self.tp_size = tp_size
+        self.bind_host = bind_host
         self.ranks = [self.rank_offset + i for i in range(tp_size)]
         if self.rank_offset < 1 or self.ranks[-1] >= self.world_size:
             raise ValueError(f"ranks {self.ranks} do not fit world_size {self.world_size} (rank 0 is the sender)")
-        self.master = (str(body["master_address"]), int(body["master_port"]))
+        # refused before the rendezvous, which would otherwise block for JOIN_TIMEOUT_S on a bad address
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"unsupported backend {self.backend!r}")
+        if self.backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("backend nccl needs CUDA; this fake engine runs on the CPU (use gloo)")
+        if not 0 < body["master_port"] < 65536:
+            raise ValueError(f"master_port {body['master_port']} is not a TCP port")
+        self.master = (body["master_address"], body["master_port"])
         self.pool = ThreadPoolExecutor(max_workers=tp_size, thread_name_prefix=f"wg-{self.name}")
         self.members: list[WeightGroupMember] = []
 
@@ -107,7 +132,7 @@ class WeightGroup:
         loop = asyncio.get_running_loop()
         futs = [
             loop.run_in_executor(
-                self.pool, WeightGroupMember, self.backend, *self.master, r, self.world_size, self.name
+                self.pool, WeightGroupMember, self.backend, *self.master, r, self.world_size, self.name, self.bind_host
             )
             for r in self.ranks
         ]
@@ -173,67 +198,61 @@ def _reply(success: bool, message: str) -> web.Response:
     return web.json_response({"success": success, "message": message}, status=200 if success else 400)
 
 
-def register_weight_group_endpoints(app: web.Application, engine: Any, state: dict[str, Any], tp_size: int) -> None:
-    """Add the distributed weight-update endpoints and the weight-update session to the fake server's app."""
+def register_weight_group_endpoints(
+    app: web.Application, engine: Any, state: dict[str, Any], tp_size: int, bind_host: str | None = None
+) -> None:
+    """Add the distributed weight-update endpoints and the weight-update session to the fake server's app.
+    `bind_host`: the server's --host, where the members' gloo sockets listen (None: gloo's default device)."""
     groups: dict[str, WeightGroup] = {}
     session: dict[str, Any] = {"open": False, "loaded": False}
 
-    async def body_of(request: web.Request) -> dict[str, Any]:
-        if not request.can_read_body:
-            return {}
-        data = await request.json()
-        if not isinstance(data, dict):
-            raise ValueError("expected a JSON object")
-        return data
+    async def body_of(request: web.Request, model: v.Model) -> dict[str, Any]:
+        """The validated body (a v.RequestError with SGLang's 400 otherwise); the raw one goes to the log."""
+        raw = await v.read_body(request)
+        if isinstance(raw, dict):
+            request["log"]["body"] = raw
+        return model.validate(raw)
 
     async def init_group(request: web.Request) -> web.Response:
+        body = await body_of(request, v.INIT_GROUP)
+        name, group = body["group_name"], None
         try:
-            body = await body_of(request)
-            request["log"]["body"] = body
-            for key in ("master_address", "master_port", "rank_offset", "world_size"):
-                if key not in body:
-                    raise ValueError(f"missing field {key!r}")
-            name = body.get("group_name") or DEFAULT_GROUP
             if name in groups:
                 raise ValueError(f"group {name!r} already exists; destroy it first")
-            group = WeightGroup(body, tp_size)
+            group = WeightGroup(body, tp_size, bind_host)
             request["log"].update(member_ranks=group.ranks, tp_size=tp_size)
             await group.join()
         except Exception as e:  # noqa: BLE001 - SGLang reports any failure as success=false
             logger.error("init_weights_update_group failed: %s", e)
+            if group is not None:
+                group.close()
             return _reply(False, f"Failed to initialize custom process group: {e}.")
         groups[name] = group
         return _reply(True, "Succeeded to initialize custom process group.")
 
     async def destroy_group(request: web.Request) -> web.Response:
-        try:
-            body = await body_of(request)
-        except ValueError as e:
-            return _reply(False, str(e))
-        request["log"]["body"] = body
-        group = groups.pop(body.get("group_name") or DEFAULT_GROUP, None)
+        body = await body_of(request, v.DESTROY_GROUP)
+        group = groups.pop(body["group_name"], None)
         if group is None:
             return _reply(False, "The group to be destroyed does not exist.")
         group.close()
         return _reply(True, "Succeeded to destroy custom process group.")
 
     async def update_from_distributed(request: web.Request) -> web.Response:
-        try:
-            body = await body_of(request)
-        except ValueError as e:
-            return _reply(False, str(e))
-        request["log"]["body"] = {k: v for k, v in body.items() if k not in ("names", "dtypes", "shapes")}
-        request["log"]["num_tensors"] = len(body.get("names") or [])
-        name = body.get("group_name") or DEFAULT_GROUP
+        body = await body_of(request, v.UPDATE_FROM_DISTRIBUTED)
+        raw = request["log"]["body"]
+        request["log"]["body"] = {k: x for k, x in raw.items() if k not in ("names", "dtypes", "shapes")}
+        request["log"]["num_tensors"] = len(body["names"])
+        name = body["group_name"]
         if not session["open"]:
             return _reply(False, "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()")  # fmt: skip
         if name not in groups:
             return _reply(False, f"Group {name} not in {list(groups)}. Please call `init_weights_update_group` first.")
-        if body.get("abort_all_requests"):
+        if body["abort_all_requests"]:
             engine.abort(abort_all=True)
         try:
             named, digests, nbytes = await groups[name].receive(
-                body.get("names") or [], body.get("dtypes") or [], body.get("shapes") or [], body.get("load_format")
+                body["names"], body["dtypes"], body["shapes"], body["load_format"]
             )
             request["log"].update(bytes=nbytes, member_digests=digests, tensor_names=[n for n, _ in named])
             await engine.load_named_tensors([(n, t.clone()) for n, t in named])
@@ -242,21 +261,22 @@ def register_weight_group_endpoints(app: web.Application, engine: Any, state: di
             return _reply(False, f"Failed to receive weights: {e}")
         session["loaded"] = True
         message = "Succeeded to update parameter online."
-        if body.get("weight_version") is not None:
-            engine.weight_version = str(body["weight_version"])
+        if body["weight_version"] is not None:
+            engine.weight_version = body["weight_version"]
             message += f" Weight version updated to {engine.weight_version}."
-        if body.get("flush_cache", True):
+        if body["flush_cache"]:
             engine.flush_cache()
         return _reply(True, message)
 
     async def begin_update(request: web.Request) -> web.Response:
-        request["log"]["body"] = await body_of(request)
+        await body_of(request, v.BEGIN_UPDATE)
         if session["open"]:
             return _reply(False, "a weight-update session is already open; call end_weight_update() first")
         session.update(open=True, loaded=False)
         return _reply(True, "Success")
 
     async def end_update(request: web.Request) -> web.Response:
+        await body_of(request, v.END_UPDATE)
         if not session["open"]:
             return _reply(False, "no weight-update session is open; call begin_weight_update() first")
         session.update(open=False)

@@ -33,12 +33,10 @@ import base64
 import io
 import pickle
 from dataclasses import dataclass
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
-import torch.multiprocessing.reductions  # noqa: F401 - registers tensor reductions with ForkingPickler
+import torch.multiprocessing.reductions  # noqa: F401 - registers tensor reductions (the unpickler needs them)
 
 FLATTENED_BUCKET = "flattened_bucket"
 
@@ -68,32 +66,9 @@ class _Unpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def serialize(obj: Any) -> str:
-    """Sender side: pickle with torch's shared-memory reductions, base64 for JSON."""
-    mp.set_sharing_strategy("file_system")
-    buf = io.BytesIO()
-    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
-    return base64.b64encode(buf.getvalue()).decode()
-
-
 def deserialize(data: str | bytes) -> Any:
     raw = base64.b64decode(data) if isinstance(data, str) else data
     return _Unpickler(io.BytesIO(raw)).load()
-
-
-def flatten_bucket(named_tensors: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-    """Sender side of `flattened_bucket`: one flat tensor (common dtype) plus per-tensor metadata."""
-    if not named_tensors:
-        raise ValueError("cannot build an empty bucket")
-    flats, meta, offset = [], [], 0
-    for name, t in named_tensors:
-        flat = t.detach().reshape(-1)
-        meta.append(
-            FlattenedTensorMetadata(name, tuple(t.shape), t.dtype, offset, offset + flat.numel(), flat.numel())
-        )
-        flats.append(flat)
-        offset += flat.numel()
-    return {"flattened_tensor": torch.cat(flats), "metadata": meta}
 
 
 def _get(m: Any, key: str) -> Any:
@@ -127,12 +102,22 @@ def build_update_body(
     flush_cache: bool = True,
     tp_size: int = 1,
 ) -> tuple[dict[str, Any], Any]:
-    """Reference sender (tests, docs): (JSON body for `/update_weights_from_tensor`, keepalive object).
+    """A sender for tests (slime's own bucket layout and serializer): (JSON body for `/update_weights_from_tensor`,
+    keepalive object).
 
     Keep the returned keepalive (and `named_tensors`) referenced until the request returns: their storages
     are now the shared memory the server maps.
     """
-    payload: Any = flatten_bucket(named_tensors) if load_format == FLATTENED_BUCKET else list(named_tensors)
+    from slime.backends.megatron.weight_buckets import flatten
+    from slime.backends.megatron.weight_sync import serialize
+
+    if not named_tensors:
+        raise ValueError("cannot build an empty bucket")
+    if load_format == FLATTENED_BUCKET:
+        flat, meta = flatten(named_tensors)
+        payload: Any = {"flattened_tensor": flat, "metadata": meta}
+    else:
+        payload = list(named_tensors)
     s = serialize(payload)
     body = {
         "serialized_named_tensors": [s] * tp_size,

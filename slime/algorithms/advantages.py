@@ -1,13 +1,13 @@
 """Reward normalisation for GRPO / GSPO / REINFORCE++-baseline, by prompt index, over trajectories.
 
-slime reshapes the flat reward list into (-1, n_samples_per_prompt) blocks and, when fan-out changes the
-length, silently treats the whole batch as one group (spec §5.4). Here statistics are always keyed by the
+slime v0.3.0 reshapes the flat reward list into (-1, n_samples_per_prompt) blocks and, when fan-out changes
+the length, silently treats the whole batch as one group. Here statistics are always keyed by the
 prompt index `group_index`, and each trajectory (`group_id`) counts once however many segments it fanned
 out into: a trajectory split in K segments must not weigh K times in its prompt's mean and std. Every
 segment then inherits its trajectory's normalised reward, which is its advantage for GRPO/GSPO.
 
 Trainer side, `compute_advantages_and_returns(args, batch, ps)` turns those per-sample rewards into per-token
-advantages (spec §10.3). Its `batch` holds per-sample lists: `rewards` (the post-processed rewards above),
+advantages (docs/algorithms.md). Its `batch` holds per-sample lists: `rewards` (the post-processed rewards above),
 `loss_masks` (the *full* response masks, as on the rollout side), `total_lengths`, `response_lengths`, and
 CP-local `log_probs` / `rollout_log_probs` / `ref_log_probs` (each rank's `slice_response_for_cp` part). It
 writes `kl`, `advantages`, `returns` back (CP-local lists). REINFORCE++ needs whole responses for its
@@ -190,7 +190,7 @@ def distributed_masked_whiten(
 ) -> list[torch.Tensor]:
     """(v − mean)/sqrt(var + eps) with mean and unbiased var over masked tokens of every rank of `dim`.
 
-    The group is dp×cp, not dp (slime fixed this at HEAD, #2235): CP ranks hold disjoint token sets, so
+    The group is dp×cp, not dp (fixed upstream after v0.3.0, THUDM/slime#2235): CP ranks hold disjoint token sets, so
     leaving them out would whiten each CP part with different statistics. Statistics in float64.
     """
     if not values:
@@ -218,7 +218,7 @@ def distributed_masked_whiten(
 def compute_advantages_and_returns(
     args: Any, batch: dict[str, Any], ps: ParallelState | None = None
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-token CP-local advantages and returns for `--advantage-estimator` (spec §10.3), written into `batch`.
+    """Per-token CP-local advantages and returns for `--advantage-estimator`, written into `batch`.
 
     KL for reward shaping uses `--kl-loss-type` between ℓ (rollout log-probs under `--use-rollout-logprobs`)
     and ℓ_ref, and is zero when `--kl-coef` is 0 (no reference pass then).

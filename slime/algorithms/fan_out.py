@@ -1,4 +1,4 @@
-"""Validation of the fan-out contract (spec §5.1): what a rollout / custom generate function may return.
+"""Validation of the fan-out contract: what a rollout / custom generate function may return.
 
 The rollout output is `list[list[Sample]]` (prompt × trajectory). A generate function may return
 `list[Sample]` for one trajectory (sub-agent or compaction segments), which makes the output one level

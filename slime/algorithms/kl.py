@@ -1,4 +1,4 @@
-"""Per-token KL estimators between the policy and a base policy (reference model or old policy), spec §10.1.
+"""Per-token KL estimators between the policy and a base policy (reference model or old policy).
 
 Only sampled-token log-probs are available (not full distributions), so KL(π‖π_base) is estimated from
 log r = ℓ − ℓ_base with Schulman's estimators (http://joschu.net/blog/kl-approx.html):

@@ -2,7 +2,7 @@
 
 Why the temperature: SGLang returns `log_softmax(logits / T)` over the full vocabulary (top-p/top-k do not
 renormalise it), so the trainer must score tokens the same way for ratios against rollout log-probs to be
-meaningful (design.md §6).
+meaningful (docs/sglang_contract.md#log-probs-and-temperature).
 
 Why a hand-written autograd function: on real runs the logits of one position are split over the TP ranks
 (rank r holds columns [vocab_start, vocab_start + V/tp)). The forward needs three collectives over "tp"

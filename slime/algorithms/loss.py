@@ -1,4 +1,4 @@
-"""The assembled per-micro-batch loss (spec §10.2 "Total"): pg loss, entropy bonus, KL loss, TIS, metrics.
+"""The assembled per-micro-batch loss: pg loss, entropy bonus, KL loss, TIS, metrics (docs/algorithms.md#policy-loss).
 
 Integration contract (what the Megatron train step passes in, for one micro-batch on one rank):
 
@@ -54,7 +54,7 @@ def _cat(xs: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def _graph_anchor(log_probs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """0·sum(ℓ): keeps the logits in the graph when this rank holds no response token (spec §10.2)."""
+    """0·sum(ℓ): keeps the logits in the graph when this rank holds no response token (every rank runs backward)."""
     return _cat(log_probs).sum() * 0
 
 
@@ -133,7 +133,7 @@ def policy_loss_function(
             response_lengths=batch.get("response_lengths"),
         )
         # Mismatch metrics over the original masks; the pg numerator over the (possibly rejection-) modified
-        # masks, with the original group denominators (spec §5.3).
+        # masks, with the original group denominators D_g (a masked token lowers its group's mean).
         metrics["ois"] = reduce(torch.exp(-ppo_kl_all.detach()))
         for name, value in tis_metrics.items():
             metrics[name] = reduce(value.detach().to(pg.dtype))
@@ -209,7 +209,7 @@ def loss_function(
 
     `custom_loss` calls `--custom-loss-function-path` with slime's signature (args, batch, logits, reducer),
     where the reducer takes a list of per-sample tensors (our reducer) instead of slime's concatenated one.
-    The value loss (critic) belongs to the PPO issue.
+    The value loss comes with the PPO critic, which is not built yet.
     """
     loss_type = args.loss_type
     if loss_type == "policy_loss":

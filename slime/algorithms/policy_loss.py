@@ -1,4 +1,4 @@
-"""The per-token pieces of the policy-gradient loss (spec §10.2): PPO clip, dual clip, GSPO, OPSM, TIS.
+"""The per-token pieces of the policy-gradient loss: PPO clip, dual clip, GSPO, OPSM, TIS (docs/algorithms.md).
 
 Everything here returns *per-token* tensors; the reduction (group token mean) happens in `loss.py` through
 `reducers.make_reducer`, so no function here divides by a token count of its own — except the sequence-level
@@ -37,7 +37,7 @@ def compute_policy_loss(
     pg = max(−A·r, −A·clip(r, 1−eps_clip, 1+eps_clip_high)); clipfrac marks tokens where the clipped term
     won. Dual clip (c > 1, only where A < 0): pg = min(pg, −c·A), bounding the loss of a token whose ratio
     exploded on a negative advantage; dual_clipfrac marks where that bound won. slime v0.3.0 never passed c
-    to this function (fixed upstream in #2247); the loss here forwards `--eps-clip-c`.
+    to this function (fixed upstream in THUDM/slime#2247); the loss here forwards `--eps-clip-c`.
     """
     ratio = torch.exp(-ppo_kl)
     loss_unclipped = -advantages * ratio

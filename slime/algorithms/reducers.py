@@ -1,6 +1,6 @@
 """The per-group token-mean reducer and the scaling chain that makes Megatron produce the step loss.
 
-Target, for one optimizer step s with b groups (spec §5.3, default mode):
+Target, for one optimizer step s with b groups (default mode; docs/algorithms.md#loss-normalisation):
 
     L_s = (1/b) * sum_g [ sum_{i in g, t} m_it x_it ] / max(D_g, 1),      D_g = sum_{i in g, t} m_it
 
@@ -84,7 +84,7 @@ def make_reducer(masks: Sequence[torch.Tensor], group_denoms: Sequence[float], *
     """Bind one micro-batch's masks and denominators; the loss applies it to pg loss, entropy, KL alike.
 
     TIS/RS functions that change masks pass their modified masks here; denominators stay the original group
-    totals (spec §5.3), so a token masked out afterwards lowers the group mean instead of re-weighting it.
+    totals D_g, so a token masked out afterwards lowers the group mean instead of re-weighting it.
     The token weights are built once per micro-batch and reused by every reduction of the loss. The reducer
     takes per-sample tensors or their concatenation (one tensor over the micro-batch's tokens, sample order).
     """

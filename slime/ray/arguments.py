@@ -32,7 +32,7 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def validate_cluster_args(args: argparse.Namespace) -> None:
-    """Colocation and offload defaults (spec: --colocate turns both offloads on), debug-rollout-only sizing."""
+    """Colocation and offload defaults (--colocate turns both offloads on), debug-rollout-only sizing."""
     env = args.train_env_vars
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise SlimeArgError('--train-env-vars must be a JSON object of strings, e.g. \'{"NCCL_DEBUG": "INFO"}\'')

@@ -1,4 +1,4 @@
-"""`RolloutManager`: owns the data source, the rollout/eval functions, the engines and the router (spec §1.2).
+"""`RolloutManager`: owns the data source, the rollout/eval functions, the engines and the router.
 
 It turns each rollout's samples into per-DP-rank train data (`train_data.py`) and hands the trainer one
 object ref per rank. In `--debug-train-only` / `--load-debug-rollout-data` it starts no engine and no
@@ -92,7 +92,7 @@ class RolloutManager:
         if self.servers is not None:
             self.servers.resume_health_monitor()
 
-    # ---- colocated offload (spec §1.6) ----------------------------------------------------------------------
+    # ---- colocated offload (order: docs/architecture.md#colocated-offload) ----------------------------------
     def _offloaded_engines(self) -> list[Any]:
         return self.servers.engine_handles() if self.servers is not None else []
 

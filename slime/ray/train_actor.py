@@ -3,7 +3,7 @@
 Each actor owns one `MegatronTrainer` rank. It also records a content hash of exactly the train data it
 received per rollout, so a replayed rollout dump can be proven to reach the trainer unchanged. Under
 `--debug-rollout-only` the actors exist (they hold their placement) but return before any process group is
-created (spec §3).
+created: inference alone needs no training process group (docs/architecture.md#debug-modes).
 
 Rank 0 binds the rendezvous on its own node's address; every rank joins it there, so the train ranks may span
 nodes. Weight sync has two transports (`--update-weight-mode`): `tensor` for colocated engines (IPC handles

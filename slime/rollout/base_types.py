@@ -11,7 +11,8 @@ from slime.utils.types import Sample
 
 @dataclass
 class RolloutFnTrainOutput:
-    # list[list[Sample]]: prompt group x trajectory; a trajectory may itself be a list[Sample] (fan-out, §5.1).
+    # list[list[Sample]]: prompt group x trajectory; a trajectory may itself be a list[Sample] (fan-out:
+    # segments sharing one group_id, slime/algorithms/fan_out.py).
     samples: list[list[Sample | list[Sample]]]
     metrics: dict[str, Any] | None = None
 

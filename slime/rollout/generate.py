@@ -26,8 +26,9 @@ from slime.utils.types import Sample, Status
 
 logger = logging.getLogger(__name__)
 
-# sglang-router (SGLang Model Gateway) hashes this header under `--policy consistent_hashing`, so every turn
-# of a session, and every sample of a prompt group, lands on the engine that holds its prefix in cache.
+# sglang-router (SGLang Model Gateway) pins each value of this header to one engine under slime's
+# `--router-policy consistent_hashing` (0.3.2's `manual` policy, docs/router.md), so every turn of a session,
+# and every sample of a prompt group, lands on the engine that holds its prefix in cache.
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 
 
@@ -168,7 +169,7 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
     params = dict(sampling_params)
     budget = params.get("max_new_tokens")
     if budget is not None:
-        # A continuation only gets what is left of the response budget (slime #2261).
+        # A continuation only gets what is left of the response budget (THUDM/slime#2261).
         budget -= sample.response_length
     if (ctx := args.rollout_max_context_len) is not None:
         budget = ctx - len(input_ids) if budget is None else min(budget, ctx - len(input_ids))

@@ -63,7 +63,7 @@ async def abort(args: Any, rollout_id: int, pending: dict[asyncio.Task, list[Sam
     """Stop in-flight work; return the groups to recycle (only with `--partial-rollout`).
 
     Without partial rollout the results are discarded, so tasks are cancelled first: waiting on them would
-    also wait on slow reward judges (slime #2176). With partial rollout the engines are told to abort and
+    also wait on slow reward judges (THUDM/slime#2176). With partial rollout the engines are told to abort and
     the tasks drained, because an aborted `/generate` still returns the tokens produced so far."""
     state = GenerateState.get(args)
     state.aborted = True

@@ -1,4 +1,4 @@
-"""Per-group masked-token totals D_g, computed on the rollout side (spec §5.3).
+"""Per-group masked-token totals D_g, computed on the rollout side (docs/algorithms.md#loss-normalisation).
 
 Why precomputed: a group's samples may be spread over micro-batches, DP ranks and CP chunks, so no trainer
 rank can see all of a group's tokens. Every rank divides its partial sums by the same global D_g, and the

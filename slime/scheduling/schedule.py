@@ -5,7 +5,7 @@ one plan. A *group* is one rollout execution (`Sample.group_id`); a trajectory t
 samples is one group. The plan is built "pack first, distribute second":
 
 1. Groups are taken in first-occurrence order, B = `global_batch_size` per optimizer step. A group's samples
-   are never split across steps, so the per-group token denominators of spec §5.3 are step-local.
+   are never split across steps, so the per-group token denominators D_g (`denominators.py`) are step-local.
 2. Groups that do not fill the last step are *left over*: the caller carries them to the next rollout
    (`slime.scheduling.carry`). With `allow_partial_last_step` they instead form a last step of b < B groups
    whose loss is divided by b and whose LR-scheduler increment is b. Nothing is padded.

@@ -1,4 +1,4 @@
-"""Exact resume and the colocated offload protocol (issue 5), through the real `slime train` CLI.
+"""Exact resume and the colocated offload protocol, through the real `slime train` CLI (docs/checkpointing.md).
 
 Three runs of the same colocated job (1 trainer rank, DP=1, fp32; 1 fake `hf` engine; 10 prompts per rollout,
 1 sample each, 4 groups per step — so 2 groups are carried over after rollout 0):
@@ -9,7 +9,8 @@ Three runs of the same colocated job (1 trainer rank, DP=1, fp32; 1 fake `hf` en
 
 C must regenerate A's rollouts 1 and 2 token for token (per-sample sampling seeds, restored data-source
 position and carried-over groups) and end each with weights bit-identical to A's (restored model, Adam state,
-LR schedule and RNG). A's engine request log and trainer events show the offload order of spec §1.6.
+LR schedule and RNG). A's engine request log and trainer events show the offload order of
+docs/architecture.md#colocated-offload.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def test_kill_during_save_resumes_exactly_and_offload_order(assets, tmp_path):
 
 
 def check_offload_order(requests: list[dict], trainer_events: list) -> None:
-    """Spec §1.6 on one colocated engine: released after every rollout, weights back before the sync, KV after.
+    """The colocated offload order on one engine: released after every rollout, weights back before the sync, KV after.
 
     Engine states follow its release/resume calls; the trainer may only be awake while the engine is fully
     released, and weights may only be pushed while the engine holds its weights but no KV cache yet.

@@ -116,7 +116,7 @@ def test_expert_layout_and_world_equal_megatron(RankGenerator, cfg):  # noqa: N8
 
 
 def test_probe_example_layout():
-    """The world=8, tp=2, pp=2 layout recorded in dependency-probes.md §2.2, spelled out."""
+    """The world=8, tp=2, pp=2 layout in megatron-core 0.16.1's default order (tp-cp-ep-dp-pp), spelled out by hand."""
     g = rank_groups(8, tp=2, pp=2)
     assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert g["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]

@@ -84,13 +84,13 @@ def _adam_steps(trainer) -> list[float]:
 def _worker(rank: int, world: int, port: int, ckpt: str, out_dir: str) -> None:
     import torch.distributed as dist
 
+    from slime.arguments import parse_args
     from slime.backends.megatron import checkpoint
     from slime.backends.megatron.hf_weights import unwrap_model
     from slime.backends.megatron.initialize import destroy_megatron
     from slime.backends.megatron.trainer import MegatronTrainer
     from slime.ray.train_data import build_rank_data
     from slime.scheduling.carry import CarryBuffer
-    from slime.arguments import parse_args
 
     torch.set_num_threads(1)
     out = Path(out_dir)
@@ -172,9 +172,9 @@ def test_dp2_checkpoint_resumes_with_dp1(tmp_path):
 def _bf16_worker(rank: int, phase: str, ckpt: str, out_dir: str, port: int) -> None:
     """bf16 params with fp32 norm weights (the local spec's torch norms) put fp32 and bf16 params in one
     optimizer group; every optimizer slot must come back to the right parameter."""
+    from slime.arguments import parse_args
     from slime.backends.megatron import checkpoint
     from slime.backends.megatron.trainer import MegatronTrainer
-    from slime.arguments import parse_args
 
     args = parse_args([
         "--hf-checkpoint", ckpt, "--rollout-batch-size", "4", "--num-rollout", "4", "--rollout-num-gpus", "1",

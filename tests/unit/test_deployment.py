@@ -1,4 +1,5 @@
-"""`slime plan` for the six topologies of spec §2.3, against values worked out by hand (arithmetic in comments).
+"""`slime plan` for six topologies (single model, PD, multi-model, mixed engine sizes, a placeholder group first,
+colocated with partial offload), against values worked out by hand (arithmetic in comments).
 
 GPU indices are logical placement-group indices; rollout GPUs start after the actor's unless colocated.
 """

@@ -52,7 +52,7 @@ def test_ready_line_and_info_endpoints(server, ckpt):
     for path in ("/get_server_info", "/server_info"):
         info = c.get(path).json()
         assert info["version"] == "0.5.23" and info["internal_states"][0]["engine"] == "hf"
-    assert c.get("/get_weight_version").json() == {"weight_version": "default"}
+    assert c.get("/model_info").json()["weight_version"] == "default"
     assert c.post("/flush_cache").status_code == 200
 
 
@@ -150,7 +150,7 @@ def test_abort_by_rid_and_abort_all_return_partial_tokens(server):
         t2.join(30)
         t3.join(30)
     finally:
-        c.post("/continue_generation")
+        c.post("/continue_generation", json={})
     for rid in ("a2", "a3"):
         assert got[rid]["meta_info"]["finish_reason"]["type"] == "abort"
         assert 0 < len(got[rid]["output_ids"]) < 4000
@@ -188,7 +188,7 @@ def test_pause_in_place_holds_running_and_new_requests_then_continue(server):
     st = c.get("/get_server_info").json()["internal_states"][0]
     assert st["decode_steps"] == steps and st["paused"] and "p1" not in got and "p2" not in got
     assert c.post("/flush_cache").status_code == 400  # requests still in the engine
-    assert c.post("/continue_generation").status_code == 200
+    assert c.post("/continue_generation", json={}).status_code == 200
     t.join(60)
     t_new.join(60)
     assert got["p1"]["meta_info"]["finish_reason"] == {"type": "length", "length": 300}
@@ -200,7 +200,7 @@ def test_pause_in_place_holds_running_and_new_requests_then_continue(server):
     t.join(30)
     assert got["p3"]["meta_info"]["finish_reason"]["type"] == "abort"
     assert c.post("/pause_generation", json={"mode": "bogus"}).status_code == 400
-    c.post("/continue_generation")
+    c.post("/continue_generation", json={})
     assert gen(c, input_ids=[1], sampling_params={"max_new_tokens": 2})["meta_info"]["completion_tokens"] >= 1
 
 
@@ -222,7 +222,7 @@ def test_update_weights_from_tensor_changes_outputs_and_version(server, ckpt, lo
     after = gen(c, input_ids=[3, 4, 5], sampling_params=sp)
     assert after["meta_info"]["weight_version"] == "v7"
     assert after["output_ids"] != before["output_ids"]
-    assert c.get("/get_weight_version").json() == {"weight_version": "v7"}
+    assert c.get("/model_info").json()["weight_version"] == "v7"
     # Restore the original weights (other tests share this server) and check outputs come back exactly.
     body, keep = build_update_body(list(original.items()), load_format=load_format, weight_version="default")
     assert c.post("/update_weights_from_tensor", json=body).json()["success"] is True
@@ -231,14 +231,14 @@ def test_update_weights_from_tensor_changes_outputs_and_version(server, ckpt, lo
     bad, _k = build_update_body([("no.such.param", torch.zeros(2))], weight_version="bad")
     r = c.post("/update_weights_from_tensor", json=bad)
     assert r.status_code == 400 and r.json()["success"] is False
-    assert c.get("/get_weight_version").json() == {"weight_version": "default"}
+    assert c.get("/model_info").json()["weight_version"] == "default"
 
 
 def test_update_weights_from_disk_and_release_resume(server, ckpt):
     c = server.client
     r = c.post("/update_weights_from_disk", json={"model_path": str(ckpt), "weight_version": "disk1"})
     assert r.status_code == 200 and r.json()["success"] is True and r.json()["num_paused_requests"] == 0
-    assert c.get("/get_weight_version").json()["weight_version"] == "disk1"
+    assert c.get("/model_info").json()["weight_version"] == "disk1"
     assert c.post("/release_memory_occupation", json={"tags": ["kv_cache", "weights"]}).status_code == 200
     r = c.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
     assert r.status_code == 400 and "released" in r.json()["error"]["message"]

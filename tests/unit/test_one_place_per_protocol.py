@@ -19,7 +19,7 @@ CONTROL_ENDPOINTS = (
     "/pause_generation", "/continue_generation", "/flush_cache", "/abort_request", "/release_memory_occupation",
     "/resume_memory_occupation", "/begin_weight_update", "/end_weight_update", "/update_weights_from_tensor",
     "/update_weights_from_disk", "/update_weights_from_distributed", "/init_weights_update_group",
-    "/destroy_weights_update_group", "/weights_checker", "/get_weight_version", "/health_generate",
+    "/destroy_weights_update_group", "/weights_checker", "/health_generate",
 )  # fmt: skip
 
 # marker -> the one module (relative path) of slime/ and sim/ production code allowed to contain it

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def side_venv_python() -> str:
-    """The SGLang side venv's interpreter; missing is a failure under CI=true (design.md §6), a skip locally."""
+    """The SGLang side venv's interpreter; missing is a failure under CI=true (docs/testing.md), a skip locally."""
     venv = Path(os.environ.get("SLIME_SGLANG_VENV", ROOT / ".venv-sglang"))
     py = venv / "bin" / "python"
     if not py.exists():

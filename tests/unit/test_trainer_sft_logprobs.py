@@ -23,11 +23,11 @@ SHIM = "sim.fake_megatron.cpu_shim.apply"
 def _worker(rank: int, port: int, ckpt: str, out: str) -> None:
     import torch
 
+    from slime.arguments import parse_args
     from slime.backends.megatron.initialize import destroy_megatron
     from slime.backends.megatron.trainer import MegatronTrainer
     from slime.ray.train_data import build_rank_data
     from slime.scheduling.carry import CarryBuffer
-    from slime.arguments import parse_args
     from slime.utils.types import Sample, Status
 
     torch.set_num_threads(1)

@@ -49,14 +49,14 @@ def test_sync_changes_engine_weights_exactly(ckpt, tmp_path):
     named = [(n, p.detach().clone()) for n, p in model.state_dict().items()]
     prompt = [5, 17, 42, 99, 7]
     with launch_fake_sglang(["--engine", "hf", "--model-path", str(ckpt), "--request-log", str(log)]) as srv:
-        before = httpx.get(f"{srv.url}/get_weight_version").json()
+        before = httpx.get(f"{srv.url}/model_info").json()
         sync = TensorWeightSync([srv.url], bucket_bytes=64 * 1024)  # one sender: a plain URL
         try:
             stats = sync.sync(named, weight_version=7)
         finally:
             sync.close()
         assert stats["weight_sync/buckets"] > 1
-        after = httpx.get(f"{srv.url}/get_weight_version").json()
+        after = httpx.get(f"{srv.url}/model_info").json()
         assert after != before and "7" in json.dumps(after)
         body = {
             "input_ids": prompt,

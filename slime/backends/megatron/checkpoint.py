@@ -1,4 +1,4 @@
-"""Checkpoints for exact resume: `--save/--load/--save-interval/--no-save-optim` (spec §1.3, §9.6).
+"""Checkpoints for exact resume: `--save/--load/--save-interval/--no-save-optim` (docs/checkpointing.md).
 
 Layout under `--save` (Megatron's names, so tooling recognises it)::
 

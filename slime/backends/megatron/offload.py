@@ -1,4 +1,4 @@
-"""Train-side offload for `--colocate` (spec §1.6, §4): the trainer sleeps while the engines on its GPUs roll out.
+"""Train-side offload for `--colocate`: the trainer sleeps while the engines on its GPUs roll out.
 
 Protocol (one colocated rollout, driven by `slime/train.py`; engine calls by the RolloutManager):
 
@@ -7,6 +7,8 @@ Protocol (one colocated rollout, driven by `slime/train.py`; engine calls by the
     engines: resume_memory_occupation(["weights"])           before the weight sync
     trainer: update_weights (asleep: reads the host copy)
     engines: resume_memory_occupation(["kv_cache", "cuda_graph"])
+
+(docs/architecture.md#colocated-offload gives the reasons for this order.)
 
 Why sleep/wake are hooks here and not inside megatron: what is freed depends on the allocator. With
 `torch_memory_saver` (GPU, installed) the model, grads and optimizer state are allocated inside a pausable
@@ -40,7 +42,7 @@ def _memory_saver() -> Any | None:
         from torch_memory_saver import torch_memory_saver
     except ImportError:
         return None
-    torch_memory_saver.hook_mode = "torch"  # no LD_PRELOAD needed (design.md §4)
+    torch_memory_saver.hook_mode = "torch"  # torch's pluggable-allocator hook: no LD_PRELOAD needed
     return torch_memory_saver
 
 

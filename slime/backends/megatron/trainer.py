@@ -67,7 +67,7 @@ class MegatronTrainer:
             model = model.cuda()
         load_hf_weights(model, args.hf_checkpoint, self.spec, self.ps)
         config = model.config
-        # On CPU the distributed optimizer needs the shim's Tensor.type() opt-in (dependency-probes §2.3).
+        # On CPU the distributed optimizer needs the shim's Tensor.type() opt-in (docs/megatron_contract.md).
         distributed_optimizer = args.use_distributed_optimizer
         if distributed_optimizer is None:
             distributed_optimizer = torch.cuda.is_available()

@@ -7,8 +7,10 @@ sync transports (CUDA IPC / shared memory, and the broadcast group) send these b
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -42,12 +44,23 @@ def buckets_by_dtype(
     yield from pending.values()
 
 
-def flatten(bucket: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[FlattenedTensorMetadata]]:
+@functools.cache
+def _metadata_class() -> type:
+    """SGLang's own class where SGLang is installed: the payload is unpickled in the server, which must find the
+    class by its module path. Without SGLang (CPU runs against the fake) the stand-in above travels instead."""
+    try:
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata as cls
+    except ImportError:
+        return FlattenedTensorMetadata
+    return cls
+
+
+def flatten(bucket: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[Any]]:
     """One 1-D tensor of the bucket's dtype holding every tensor back to back, and where each one lies."""
     flat = torch.cat([t.detach().reshape(-1) for _, t in bucket])
-    meta, start = [], 0
+    meta, start, cls = [], 0, _metadata_class()
     for name, t in bucket:
-        meta.append(FlattenedTensorMetadata(name, t.shape, t.dtype, start, start + t.numel(), t.numel()))
+        meta.append(cls(name, t.shape, t.dtype, start, start + t.numel(), t.numel()))
         start += t.numel()
     return flat, meta
 

@@ -66,7 +66,7 @@ class SGLangClient:
         return self._call("GET", "/get_server_info", timeout=30.0)
 
     def weight_version(self) -> str:
-        return str(self._call("GET", "/get_weight_version", timeout=30.0).get("weight_version"))
+        return str(self._call("GET", "/model_info", timeout=30.0).get("weight_version"))
 
     # ---- scheduling -------------------------------------------------------------------------------------
     def pause_generation(self) -> None:
@@ -145,8 +145,9 @@ class SGLangClient:
 
 def begin_weight_sync(clients: list[SGLangClient]) -> None:
     """Open a weight update on every engine: pause generation, flush the cache, begin the update session
-    (SGLang 0.5.23 loads weights only inside `/begin_weight_update` ... `/end_weight_update`). Paused requests
-    keep their state and continue with the new weights."""
+    (SGLang 0.5.23 loads weights only inside `/begin_weight_update` ... `/end_weight_update`). The pause uses
+    SGLang's default mode, `abort`: a request still in flight (none in the synchronous loop, which syncs
+    between rollouts) comes back aborted with its tokens so far."""
     for c in clients:
         c.pause_generation()
     for c in clients:

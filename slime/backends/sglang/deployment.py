@@ -2,9 +2,10 @@
 
 Why a separate, pure step: `slime plan` prints exactly what `slime train` will start, property tests check
 the invariants (GPU ranges partition the rollout GPUs, ports unique, one router per model) without Ray, and
-the launcher only executes the plan. GPU indices are *logical* placement-group indices (spec §1.2: bundles
-sorted by node IP then GPU id); the launcher maps them to physical ids. Ports are planned from fixed bases so
-the plan is deterministic; the launcher may move a planned port that is busy at launch time.
+the launcher only executes the plan. GPU indices are *logical* placement-group indices (bundles sorted by node
+address then GPU id, docs/architecture.md#the-placement-group); the launcher maps them to physical ids. Ports
+are planned from fixed bases so the plan is deterministic; the launcher may move a planned port that is busy
+at launch time.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class RouterPlan:
     host: str
     port: int
     prometheus_port: int
-    reuse_user_router: bool  # the first model may reuse --sglang-router-ip/port (spec §2.2)
+    reuse_user_router: bool  # the first model may reuse a running router given by --sglang-router-ip/port
     update_weights: bool
     receives_weights: bool
 
@@ -94,12 +95,12 @@ class DeploymentPlan:
 
 def _actor_gpus(args: Namespace) -> int:
     if args.debug_rollout_only:
-        return 0  # spec §3: engine base GPU computed with zero actor GPUs
+        return 0  # inference alone: the placement group holds only rollout GPUs, engines start at 0
     return args.actor_num_nodes * args.actor_num_gpus_per_node
 
 
 def rollout_offset(args: Namespace) -> int:
-    """Where rollout GPUs start in the placement group (spec §1.2)."""
+    """Where rollout GPUs start in the placement group: after the train GPUs, or at 0 when they share them."""
     if args.debug_rollout_only or args.colocate:
         return 0
     return _actor_gpus(args)

@@ -31,7 +31,8 @@ ROUTER_VERSION = "0.3.2"
 SGLANG_SNAPSHOT = f"sglang_flags_{SGLANG_VERSION}.json"
 ROUTER_SNAPSHOT = f"router_flags_{ROUTER_VERSION}.json"
 
-# ServerArgs dests slime sets itself for every engine (spec §1.8 step 2, plus host).
+# ServerArgs dests slime sets or controls itself for every engine (most in server_args.py:_slime_settings), so
+# `--sglang-<name>` is refused for them.
 SKIPPED_SGLANG_FLAGS: frozenset[str] = frozenset(
     {
         "model_path",
@@ -90,7 +91,7 @@ _ROUTER_SOURCE = {
     "worker_urls": "the engines slime launches (registered through POST /workers)",
     "pd_disaggregation": "prefill/decode groups in --sglang-config",
 }
-# slime's policy name for header affinity (spec §2.2) and the 0.3.2 policy that implements it (docs/router.md).
+# slime's policy name for header affinity and the 0.3.2 policy that implements it (docs/router.md).
 ROUTER_POLICY_ALIASES = {"consistent_hashing": "manual"}
 _POLICY_DESTS = ("policy", "prefill_policy", "decode_policy")
 

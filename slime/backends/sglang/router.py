@@ -2,7 +2,7 @@
 
 slime launches one router per model and registers every engine through the router's HTTP API
 (`POST /workers`, `DELETE /workers/{id}`, `GET /workers`; the legacy `/add_worker` is gone in 0.3.2).
-Settings slime forces (spec §1.2), and why:
+Settings slime forces, and why (docs/router.md):
 - `--disable-health-check`: engines pause generation and release GPU memory during weight updates and
   colocated offload; the router's prober would evict them then. slime's own health monitor handles faults.
 - `--request-timeout-secs` from `--sglang-router-request-timeout-secs` (14400): rollouts stream for hours.

@@ -2,7 +2,7 @@
 
 Why argv and not an in-process `ServerArgs`: SGLang is not importable where slime runs on CPU, and a
 command line is what the engine actor spawns anyway. Values are merged per ServerArgs dest with rising
-priority — slime's per-engine settings (spec §1.9), the user's `--sglang-*` flags, then the `--sglang-config`
+priority — slime's per-engine settings (`_slime_settings`), the user's `--sglang-*` flags, then the `--sglang-config`
 group's `overrides` — and each dest is rendered once, in the form SGLang's parser expects (the snapshot's
 action kind says how: bare flag, `--x/--no-x`, one value, or nargs values).
 """

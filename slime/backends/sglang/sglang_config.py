@@ -1,4 +1,4 @@
-"""`--sglang-config` YAML: the inference topology (models, server groups, routers) of spec §2.1.
+"""`--sglang-config` YAML: the inference topology (models, server groups, routers); docs/sglang_config.md.
 
 Why a hand-written loader over `yaml.compose` nodes: every user mistake must come back as one line that names
 the file, the YAML path (`sglang[1].server_groups[0].overrides.mem_fraction`) and the line, and only the node
@@ -54,7 +54,7 @@ class ModelConfig:
     name: str
     model_path: str
     update_weights: bool
-    receives_weights: bool  # only the first model with update_weights true is synced (spec §1.5)
+    receives_weights: bool  # only the first model with update_weights true is synced (one trained policy)
     num_gpus_per_engine: int
     server_groups: tuple[ServerGroupConfig, ...]
     sim: dict[str, Any] = field(default_factory=dict)
