@@ -67,7 +67,12 @@ def add_algorithm_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--custom-pg-loss-reducer-function-path", default=None)
     g.add_argument("--use-opsm", action="store_true")
     g.add_argument("--opsm-delta", type=float, default=1e-4)
-    g.add_argument("--get-mismatch-metrics", action="store_true")
+    g.add_argument(
+        "--get-mismatch-metrics",
+        action="store_true",
+        help="log the trainer/engine log-prob mismatch (TIS ratios; π_old is recomputed for it); the loss changes "
+        "only with --use-tis",
+    )
     g.add_argument("--log-probs-chunk-size", type=int, default=-1)
     g.add_argument("--num-critic-only-steps", type=int, default=None, help="not supported yet (PPO)")
     g.add_argument(

@@ -123,7 +123,7 @@ def policy_loss_function(
             raise ValueError("--use-tis / --get-mismatch-metrics need batch['rollout_log_probs']")
         path = args.custom_tis_function_path
         tis_fn: Callable[..., Any] = load_function(path) if path else vanilla_tis_function
-        pg, pg_masks, tis_metrics = tis_fn(
+        weighted, tis_masks, tis_metrics = tis_fn(
             args=args,
             pg_loss=pg,
             train_log_probs=train_lp,
@@ -132,6 +132,8 @@ def policy_loss_function(
             total_lengths=batch.get("total_lengths"),
             response_lengths=batch.get("response_lengths"),
         )
+        if args.use_tis:  # --get-mismatch-metrics alone only measures the mismatch
+            pg, pg_masks = weighted, tis_masks
         # Mismatch metrics over the original masks; the pg numerator over the (possibly rejection-) modified
         # masks, with the original group denominators D_g (a masked token lowers its group's mean).
         metrics["ois"] = reduce(torch.exp(-ppo_kl_all.detach()))

@@ -13,13 +13,10 @@ import logging
 import os
 import random
 import socket
-import subprocess
-import time
 import weakref
 from typing import Any
 
 import aiohttp
-import httpx
 
 logger = logging.getLogger(__name__)
 
@@ -89,26 +86,6 @@ def find_free_port(start: int | None = None, host: str = "127.0.0.1") -> int:
         port = s.getsockname()[1]
     _issued.add(port)
     return port
-
-
-def wait_for_http(url: str, timeout: float, proc: subprocess.Popen | None = None, interval: float = 0.2) -> None:
-    """Poll `url` until it answers 200. If `proc` (the server we started) dies first, say so at once instead
-    of waiting out the timeout, with its exit code and whatever it left on a captured stdout/stderr."""
-    deadline = time.monotonic() + timeout
-    last_error: str = "no answer yet"
-    while True:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process {proc.args!r} exited with code {proc.returncode} before {url} was up")
-        try:
-            r = httpx.get(url, timeout=min(5.0, max(interval, 1.0)))
-            if r.status_code == 200:
-                return
-            last_error = f"HTTP {r.status_code}: {r.text[:200]}"
-        except httpx.HTTPError as e:
-            last_error = f"{type(e).__name__}: {e}"
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"{url} not ready after {timeout:.0f}s (last: {last_error})")
-        time.sleep(interval)
 
 
 def get_session() -> aiohttp.ClientSession:

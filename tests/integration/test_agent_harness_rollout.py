@@ -5,7 +5,6 @@ Every returned sample must carry engine-sampled tokens at mask 1 (checked agains
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from sim.fake_sglang.testing import stop_process
 from slime.agent.arguments import resolve_agent_args
 from slime.agent.embedded import stop_embedded_gateway
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.sglang_rollout import generate_rollout
 from slime.utils.async_utils import run
-from slime.utils.http_utils import find_free_port, wait_for_http
+from slime.utils.http_utils import find_free_port
+from slime.utils.process import ManagedProcess
 from slime.utils.types import Sample, Status
 
 pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("cluster")]
@@ -48,22 +47,22 @@ def stack(tmp_path: Path) -> Iterator[tuple[int, Path, Path]]:
     ckpt = build_tiny_checkpoint(tmp_path / "tiny")
     (tmp_path / "script.json").write_text(json.dumps(SCRIPT))
     log = tmp_path / "engine.jsonl"
-    procs: list[subprocess.Popen] = []
+    procs: list[ManagedProcess] = []
     try:
         eport, rport = find_free_port(), find_free_port()
         cmd = [sys.executable, "-m", "sim.fake_sglang", "--host", "127.0.0.1", "--port", str(eport), "--engine"]
         cmd += ["scripted", "--script", str(tmp_path / "script.json"), "--model-path", str(ckpt)]
-        procs.append(subprocess.Popen(cmd + ["--request-log", str(log)], start_new_session=True))
-        wait_for_http(f"http://127.0.0.1:{eport}/health", timeout=120, proc=procs[-1])
+        procs.append(ManagedProcess.start(cmd + ["--request-log", str(log)], name="fake engine"))
+        procs[-1].wait_healthy(f"http://127.0.0.1:{eport}/health", timeout=120)
         router = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(rport)]
         router += ["--worker-urls", f"http://127.0.0.1:{eport}"]
-        procs.append(subprocess.Popen(router, start_new_session=True, stdout=subprocess.DEVNULL))
-        wait_for_http(f"http://127.0.0.1:{rport}/health", timeout=120, proc=procs[-1])
+        procs.append(ManagedProcess.start(router, name="router"))
+        procs[-1].wait_healthy(f"http://127.0.0.1:{rport}/health", timeout=120)
         yield rport, ckpt, log
     finally:
         run(stop_embedded_gateway())
         for p in reversed(procs):
-            stop_process(p)
+            p.stop(grace=10)
 
 
 def test_openai_sdk_harness_through_default_rollout(tmp_path: Path, stack, make_args: Callable[..., Any]) -> None:

@@ -24,7 +24,8 @@ import pytest
 
 from sim.fake_sglang.scripted_engine import scripted_logprob
 from sim.fake_sglang.testing import launch_fake_sglang, stop_process
-from slime.utils.http_utils import find_free_port, wait_for_http
+from slime.utils.http_utils import find_free_port
+from slime.utils.process import ManagedProcess
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cluster")]
 
@@ -71,10 +72,10 @@ def start_gateway(engine_url: str, ckpt: Path, store: str) -> tuple[subprocess.P
     port = find_free_port()
     cmd = [sys.executable, "-m", "slime.cli", "gateway", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--engine-url", engine_url, "--hf-checkpoint", str(ckpt), "--admin-token", ADMIN, "--store", store]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=True)
+    gateway = ManagedProcess.start(cmd, name="gateway")
     url = f"http://127.0.0.1:{port}"
-    wait_for_http(f"{url}/health", timeout=120, proc=proc)
-    return proc, url
+    gateway.wait_healthy(f"{url}/health", timeout=120)
+    return gateway.proc, url
 
 
 async def one_session(c: httpx.AsyncClient, urls: list[str], i: int) -> dict[str, Any]:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import socket
-import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from slime.arguments import default_args
 from slime.rollout.filter_hub import DynamicFilterOutput, call_dynamic_filter, check_reward_nonzero_std, pop_first
 from slime.utils.async_utils import run
-from slime.utils.http_utils import find_free_port, wait_for_http
+from slime.utils.http_utils import find_free_port
+from slime.utils.process import ManagedProcess
 from slime.utils.types import Sample
 
 pytestmark = pytest.mark.cpu
@@ -73,7 +74,7 @@ def test_run_from_threads_shares_one_loop() -> None:
         run(boom())
 
 
-def test_find_free_port_and_wait_for_dead_process() -> None:
+def test_find_free_port_and_wait_for_dead_process(tmp_path: Path) -> None:
     port = find_free_port()
     assert find_free_port(port) > port  # `port` itself was handed out already
     picked = {find_free_port() for _ in range(50)}
@@ -86,12 +87,13 @@ def test_find_free_port_and_wait_for_dead_process() -> None:
         assert find_free_port(taken.getsockname()[1]) != taken.getsockname()[1]
     finally:
         taken.close()
-    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
-    try:
-        with pytest.raises(RuntimeError, match="exited with code 3"):
-            wait_for_http(f"http://127.0.0.1:{port}/health", timeout=60, proc=proc)
-    finally:
-        proc.kill()
-        proc.wait()
-    with pytest.raises(TimeoutError, match="not ready"):
-        wait_for_http(f"http://127.0.0.1:{port}/health", timeout=0.3)
+    log = tmp_path / "child.log"
+    child = ManagedProcess.start(
+        [sys.executable, "-c", "print('bad flag'); raise SystemExit(3)"], name="child", log_path=str(log)
+    )
+    with pytest.raises(RuntimeError, match=r"child exited with code 3 during start-up(.|\n)*bad flag"):
+        child.wait_healthy(f"http://127.0.0.1:{port}/health", timeout=60)
+    sleeper = ManagedProcess.start([sys.executable, "-c", "import time; time.sleep(60)"], name="sleeper")
+    with pytest.raises(TimeoutError, match="sleeper not healthy after"):
+        sleeper.wait_healthy(f"http://127.0.0.1:{port}/health", timeout=0.3)
+    assert not sleeper.alive  # a child that never became healthy is stopped

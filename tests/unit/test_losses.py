@@ -587,3 +587,14 @@ def test_empty_microbatch_keeps_graph_and_requires_inputs():
         policy_loss_function(_args(use_tis=True), batch, [x], None)
     with pytest.raises(ValueError, match="entropy"):
         policy_loss_function(_args(entropy_coef=0.1), batch, [x], None)
+
+
+def test_mismatch_metrics_alone_leave_the_loss_unchanged():
+    """--get-mismatch-metrics measures the trainer/engine mismatch; only --use-tis reweights the loss."""
+    lp, entropy, batch = _batch(5)
+    plain, _ = policy_loss_function(_args(), batch, lp, entropy)
+    measured, metrics = policy_loss_function(_args(get_mismatch_metrics=True), batch, lp, entropy)
+    reweighted, _ = policy_loss_function(_args(use_tis=True, tis_clip=1.5, tis_clip_low=0.5), batch, lp, entropy)
+    assert measured.item() == plain.item()
+    assert {"tis", "tis_clipfrac", "tis_abs", "ois"} <= set(metrics)
+    assert reweighted.item() != plain.item()

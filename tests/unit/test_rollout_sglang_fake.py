@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import os
-import signal
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,7 +16,8 @@ import pytest
 
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.sglang_rollout import generate_rollout
-from slime.utils.http_utils import find_free_port, wait_for_http
+from slime.utils.http_utils import find_free_port
+from slime.utils.process import ManagedProcess
 from slime.utils.types import Sample, Status
 
 pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("cluster")]
@@ -29,16 +27,6 @@ SLOW_LEN = 400
 
 def yes_rm(args, sample: Sample) -> float:
     return float("yes" in sample.response)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
 
 
 @pytest.fixture
@@ -59,21 +47,21 @@ def stack(tmp_path: Path) -> Iterator[tuple[str, int, Path, Path]]:
         )
     )
     log = tmp_path / "requests.jsonl"
-    procs: list[subprocess.Popen] = []
+    procs: list[ManagedProcess] = []
     try:
         eport, rport = find_free_port(), find_free_port()
         engine_cmd = [sys.executable, "-m", "sim.fake_sglang", "--host", "127.0.0.1", "--port", str(eport)]
         engine_cmd += ["--engine", "scripted", "--script", str(script), "--model-path", str(ckpt)]
-        procs.append(subprocess.Popen(engine_cmd + ["--request-log", str(log)], start_new_session=True))
-        wait_for_http(f"http://127.0.0.1:{eport}/health", timeout=120, proc=procs[-1])
+        procs.append(ManagedProcess.start(engine_cmd + ["--request-log", str(log)], name="fake engine"))
+        procs[-1].wait_healthy(f"http://127.0.0.1:{eport}/health", timeout=120)
         router_cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1"]
         router_cmd += ["--port", str(rport), "--worker-urls", f"http://127.0.0.1:{eport}"]
-        procs.append(subprocess.Popen(router_cmd, start_new_session=True, stdout=subprocess.DEVNULL))
-        wait_for_http(f"http://127.0.0.1:{rport}/health", timeout=120, proc=procs[-1])
+        procs.append(ManagedProcess.start(router_cmd, name="router"))
+        procs[-1].wait_healthy(f"http://127.0.0.1:{rport}/health", timeout=120)
         yield "127.0.0.1", rport, ckpt, log
     finally:
         for p in reversed(procs):
-            _stop(p)
+            p.stop(grace=10)
 
 
 def test_rollout_through_real_router_and_fake_engine(tmp_path: Path, stack, make_args: Callable[..., Any]) -> None:
