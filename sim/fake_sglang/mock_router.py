@@ -233,8 +233,8 @@ def build_router_app(router: Router) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/workers", list_workers)
     app.router.add_post("/workers", add_worker)
-    app.router.add_get("/workers/{wid}", get_worker)
-    app.router.add_delete("/workers/{wid}", delete_worker)
+    app.router.add_get("/workers/{wid:[^/]+}", get_worker)  # any segment: a non-UUID id is a 400, not a 404
+    app.router.add_delete("/workers/{wid:[^/]+}", delete_worker)
     app.router.add_post("/generate", proxy)
     app.on_cleanup.append(close)
     return app
