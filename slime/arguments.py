@@ -62,6 +62,19 @@ def _add_debug_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--metrics-dir", default="runs/latest", help="metrics.jsonl and TensorBoard events go here")
     g.add_argument("--use-tensorboard", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument(
+        "--use-wandb", action="store_true", help="log the same metrics to Weights & Biases (args as config)"
+    )
+    g.add_argument("--wandb-project", default="slime")
+    g.add_argument("--wandb-group", default=None, help="W&B group of the run (e.g. one experiment's seeds)")
+    g.add_argument("--wandb-mode", choices=["online", "offline"], default="online", help="offline: no network")
+    g.add_argument(
+        "--log-level",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        default="INFO",
+        help="console level of the driver; Ray actors print WARNING and above unless DEBUG (their full logs go "
+        "to METRICS_DIR/logs/)",
+    )
     g.add_argument("--custom-config-path", default=None, help="YAML of flat key: value pairs set onto args")
     g.add_argument(
         "--custom-rollout-log-function-path",

@@ -5,19 +5,27 @@ User mistakes print one line (`slime: error: ...`) and exit 2, with no traceback
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
 from slime.utils.errors import SlimeArgError
 
-USAGE = "usage: slime {train,plan,gateway} [flags]   (slime train --help lists the flags)"
+USAGE = "usage: slime {train,plan,gateway,inspect} [flags]   (slime train --help lists the flags)"
 
 
-def _configure_logging() -> None:
-    logging.basicConfig(
-        level=os.environ.get("SLIME_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+def _run_failed(e: BaseException, args: object) -> int:
+    """A failure inside the run (an actor, an engine, the router): its own message in full, not the layers of
+    Ray wrapping around it, and where the logs are."""
+    cause = getattr(e, "cause", None) or e  # a RayTaskError carries the actor's exception
+    print(f"slime: error: {type(cause).__name__}: {cause}", file=sys.stderr)
+    metrics_dir = getattr(args, "metrics_dir", None)
+    if metrics_dir:
+        print(
+            f"slime: logs of the run's processes: {metrics_dir}/logs/ (actors), {metrics_dir}/servers/ (engines, "
+            "routers); SLIME_DEBUG=1 shows the traceback",
+            file=sys.stderr,
+        )
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,11 +44,24 @@ def main(argv: list[str] | None = None) -> int:
             from slime.arguments import parse_args
 
             args = parse_args(rest)
-            _configure_logging()
+            from slime.utils.console import configure_driver
+
+            configure_driver(args.log_level)
             from slime.train import train
 
-            train(args)
+            try:
+                train(args)
+            except (SlimeArgError, KeyboardInterrupt):
+                raise
+            except Exception as e:
+                if os.environ.get("SLIME_DEBUG"):
+                    raise
+                return _run_failed(e, args)
             return 0
+        if command == "inspect":
+            from slime.inspect_cli import main as inspect_main
+
+            return inspect_main(rest)
         if command == "plan":
             from slime.plan_cli import main as plan_main
 

@@ -16,8 +16,6 @@ from slime.utils.errors import SlimeArgError
 
 logger = logging.getLogger(__name__)
 
-_SHOWN = ("train/loss", "train/grad_norm")  # metrics shown on the progress bar
-
 
 def preflight(args: Namespace) -> int:
     """Validate files before anything starts; returns the number of training prompts (0 when replaying)."""
@@ -63,7 +61,7 @@ def train(args: Namespace) -> dict:
     from slime.ray.placement import create_placement_group, init_ray
     from slime.ray.rollout_manager import RolloutManager
     from slime.ray.train_actor import RayTrainGroup
-    from slime.utils.tracking import Tracker, progress
+    from slime.utils.tracking import Tracker, progress, step_line
 
     init_ray(args)
     manager = None
@@ -115,16 +113,30 @@ def train(args: Namespace) -> dict:
             ray.get(manager.save.remote(rollout_id, tmp))
             checkpoint.finish_save(args.save, rollout_id, {"rollout_id": rollout_id, "time": time.time()})
 
+        last_eval: dict[str, float] = {}
+
+        def evaluate(rollout_id: int) -> float:
+            t0 = time.perf_counter()
+            out = ray.get(manager.eval.remote(rollout_id))
+            if out:
+                tracker.log(out, step=rollout_id, kind="eval")
+                last_eval.update(out)
+            return time.perf_counter() - t0
+
         if sync_weights:
             sync_and_onload(start)  # engines serve exactly the trainer's weights from the first rollout on
-        with progress(args.num_rollout, "rollouts", start=start) as bar:
+        with progress(args.num_rollout, "rollout", start=start) as bar:
             for rollout_id in range(start, args.num_rollout):
+                t_step = time.perf_counter()
+                metrics: dict[str, float] = {}
                 if args.eval_interval and rollout_id % args.eval_interval == 0:
                     if rollout_id > start or not args.skip_eval_before_train:
-                        ray.get(manager.eval.remote(rollout_id))
+                        metrics["time/eval"] = evaluate(rollout_id)
                 t0 = time.perf_counter()
-                rank_refs = ray.get(manager.generate.remote(rollout_id))
-                metrics = {"time/rollout": time.perf_counter() - t0}
+                rank_refs, rollout_metrics = ray.get(manager.generate.remote(rollout_id))
+                metrics["time/rollout"] = time.perf_counter() - t0
+                if rollout_metrics is not None:
+                    tracker.log(rollout_metrics, step=rollout_id, kind="rollout")
                 if offload_rollout:
                     ray.get(manager.offload.remote())
                 if rank_refs is not None:
@@ -140,13 +152,15 @@ def train(args: Namespace) -> dict:
                 if sync_weights and rank_refs is not None:
                     due = (rollout_id + 1) % args.update_weights_interval == 0
                     metrics.update(sync_and_onload(rollout_id + 1 if due else None))
+                metrics["time/step"] = time.perf_counter() - t_step
                 summary["metrics"][rollout_id] = metrics
                 tracker.log(metrics, step=rollout_id, kind="train")
-                bar.update(1, **{k: v for k, v in metrics.items() if k in _SHOWN})
+                bar.update(1, detail=step_line({**(rollout_metrics or {}), **metrics}, last_eval))
         summary["train_status"] = actors.status()
         summary["offload_events"] = actors.offload_events()
         if args.eval_interval:
-            ray.get(manager.eval.remote(args.num_rollout))
+            evaluate(args.num_rollout)
+            logger.info("final eval: %s", step_line({}, last_eval))
     finally:
         if manager is not None:
             try:

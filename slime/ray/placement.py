@@ -20,6 +20,7 @@ import ray.exceptions
 from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from slime.utils.console import pythonwarnings
 from slime.utils.errors import SlimeArgError
 from slime.utils.http_utils import NODE_ADDRESS_ENV
 
@@ -47,6 +48,10 @@ def placement_group_size(args: Namespace) -> tuple[int, int]:
     return actor_gpus + args.rollout_num_gpus, actor_gpus
 
 
+def _ray_level(args: Namespace) -> int:
+    return logging.DEBUG if args.log_level == "DEBUG" else logging.WARNING  # Ray's own start-up chatter
+
+
 def init_ray(args: Namespace) -> None:
     """Start (or join) Ray. Workers get the driver's cwd on PYTHONPATH so `--*-path` hooks of the project import."""
     for k, v in RAY_ENV.items():
@@ -54,10 +59,12 @@ def init_ray(args: Namespace) -> None:
     if ray.is_initialized():
         return
     python_path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
-    env = {**RAY_ENV, **ACTOR_ENV, "PYTHONPATH": python_path}
+    env = {**RAY_ENV, **ACTOR_ENV, "PYTHONPATH": python_path, "PYTHONWARNINGS": pythonwarnings()}
     if args.ray_address:
         os.environ.pop(NODE_ADDRESS_ENV, None)  # every node binds its own address
-        ray.init(address=args.ray_address, runtime_env={"env_vars": env}, log_to_driver=True)
+        ray.init(
+            address=args.ray_address, runtime_env={"env_vars": env}, log_to_driver=True, logging_level=_ray_level(args)
+        )
         return
     # A cluster of this machine alone: slime's servers bind loopback (slime.utils.http_utils.node_address).
     os.environ[NODE_ADDRESS_ENV] = env[NODE_ADDRESS_ENV] = "127.0.0.1"
@@ -72,6 +79,7 @@ def init_ray(args: Namespace) -> None:
         include_dashboard=False,
         runtime_env=runtime_env,
         object_store_memory=256 * 1024**2,
+        logging_level=_ray_level(args),
         log_to_driver=True,
     )
 
@@ -120,7 +128,9 @@ def check_cluster_resources(num_bundles: int) -> None:
             f"{gpus} ({per_node}); lower --actor-num-gpus-per-node / --rollout-num-gpus or add nodes"
         )
     if total.get("CPU", 0) < num_bundles * BUNDLE_CPU:
-        raise SlimeArgError(f"this run needs {num_bundles * BUNDLE_CPU:.1f} CPUs for its bundles; the cluster has less")
+        raise SlimeArgError(
+            f"this run needs {num_bundles * BUNDLE_CPU:.1f} CPUs for its bundles; the cluster has less"
+        )
 
 
 def create_placement_group(args: Namespace, timeout: float = 120.0) -> Placement:

@@ -24,11 +24,11 @@ from slime.rollout.base_types import call_rollout_fn
 from slime.rollout.data_source import call_with_checkpoint_dir
 from slime.scheduling.carry import CarryBuffer
 from slime.utils.atomic import atomic_open
+from slime.utils.console import configure_actor
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
-logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the run log
 
 ENGINE_GPU = 0.2
 
@@ -39,16 +39,13 @@ def dump_path(template: str, rollout_id: int) -> str:
 
 class RolloutManager:
     def __init__(self, args: Namespace, placement: Placement | None) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        self.log_path = configure_actor(args.log_level, args.metrics_dir, "rollout_manager")
         self.args = args
         self.placement = placement
         self.carry = CarryBuffer()
         self.parallel_config: dict[str, int] = {"dp_size": 1, "cp_size": 1}
         self.servers = None
         self.data_source = None
-        from slime.utils.tracking import Tracker
-
-        self.tracker = Tracker(args)
         if not args.load_debug_rollout_data:
             self.data_source = load_function(args.data_source_path)(args)
         self.rollout_fn = load_function(args.rollout_function_path)
@@ -130,8 +127,9 @@ class RolloutManager:
             samples = [s for s in samples if s.group_id in keep]
         return samples
 
-    def generate(self, rollout_id: int) -> list[Any] | None:
-        """Run one rollout; returns one object ref per DP rank (None under --debug-rollout-only)."""
+    def generate(self, rollout_id: int) -> tuple[list[Any] | None, dict[str, float] | None]:
+        """Run one rollout: (one object ref per DP rank, or None under --debug-rollout-only; the rollout's metrics
+        for the driver to log, or None when --custom-rollout-log-function-path logged them itself)."""
         t0 = time.perf_counter()
         extra: dict[str, float] = {}
         if self.args.load_debug_rollout_data:
@@ -142,7 +140,8 @@ class RolloutManager:
             extra.update(out.metrics or {})
             if self.args.save_debug_rollout_data:
                 with atomic_open(dump_path(self.args.save_debug_rollout_data, rollout_id), "wb") as f:
-                    torch.save({"rollout_id": rollout_id, "samples": [s.to_dict() for s in samples]}, f)
+                    dump = {"rollout_id": rollout_id, "hf_checkpoint": self.args.hf_checkpoint}
+                    torch.save({**dump, "samples": [s.to_dict() for s in samples]}, f)
         rollout_time = time.perf_counter() - t0
         metrics = {**extra, **self._rollout_metrics(samples)}
         rank_refs = None
@@ -154,9 +153,9 @@ class RolloutManager:
             rank_refs = [ray.put(d) for d in rank_data]
         hook = self.args.custom_rollout_log_function_path
         # slime's hook: True means it logged the rollout itself and the default logging is skipped
-        if not (hook and load_function(hook)(rollout_id, self.args, samples, extra, rollout_time)):
-            self.tracker.log(metrics, step=rollout_id, kind="rollout")
-        return rank_refs
+        if hook and load_function(hook)(rollout_id, self.args, samples, extra, rollout_time):
+            return rank_refs, None
+        return rank_refs, metrics
 
     def _rollout_metrics(self, samples: list[Sample]) -> dict[str, float]:
         if not samples:
@@ -168,7 +167,8 @@ class RolloutManager:
             "rollout/response_len_mean": sum(s.response_length for s in samples) / n,
         }
 
-    def eval(self, rollout_id: int) -> dict[str, float]:
+    def eval(self, rollout_id: int) -> dict[str, float] | None:
+        """The eval's metrics for the driver to log (None when --custom-eval-rollout-log-function-path did)."""
         if self.args.eval_prompt_data is None or self.args.debug_train_only:
             return {}
         out = call_rollout_fn(self.eval_fn, self.args, rollout_id, self.data_source, evaluation=True)
@@ -178,8 +178,8 @@ class RolloutManager:
             rewards = d["rewards"]
             metrics[f"eval/{name}"] = sum(rewards) / max(len(rewards), 1)
         hook = self.args.custom_eval_rollout_log_function_path
-        if not (hook and load_function(hook)(rollout_id, self.args, out.data, extra)):
-            self.tracker.log(metrics, step=rollout_id, kind="eval")
+        if hook and load_function(hook)(rollout_id, self.args, out.data, extra):
+            return None
         return metrics
 
     # ---- checkpoint: this manager's part lives in <checkpoint dir>/rollout/ ---------------------------------
@@ -206,4 +206,3 @@ class RolloutManager:
         if self.servers is not None:
             self.servers.dispose()
             self.servers = None
-        self.tracker.close()

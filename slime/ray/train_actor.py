@@ -24,6 +24,7 @@ from typing import Any
 import ray
 
 from slime.ray.placement import Placement
+from slime.utils.console import configure_actor
 from slime.utils.http_utils import node_address
 from slime.utils.misc import load_function
 
@@ -45,6 +46,7 @@ def hash_train_data(data: dict[str, Any]) -> str:
 
 class TrainRayActor:
     def __init__(self, args: Namespace, rank: int, world_size: int) -> None:
+        self.log_path = configure_actor(args.log_level, args.metrics_dir, f"train_rank{rank}")
         self.args = args
         self.rank = rank
         self.world_size = world_size

@@ -1,11 +1,11 @@
-"""Metric tracking for the driver: a JSONL log, TensorBoard scalars, and a progress helper for the main loop.
+"""Metric tracking for the driver: a JSONL log, TensorBoard scalars, optionally Weights & Biases, and the
+progress line of the main loop.
 
 Why JSONL first: it is greppable, diffable and survives crashes line by line (each record is flushed), so
-tests and `bench/` scripts read metrics without TensorBoard. TensorBoard is the human view of the same
-numbers. Several processes may log into one directory (the driver logs train metrics, the RolloutManager
-actor rollout/eval metrics): each JSONL record is one `write` on an O_APPEND descriptor, so lines never
-interleave, and each process's SummaryWriter writes its own event file, which TensorBoard merges.
-Training ranks reduce their metrics through `ParallelState` before they reach a tracker.
+tests and `bench/` scripts read metrics without TensorBoard. TensorBoard and W&B are human views of the same
+numbers. Only the driver logs: the RolloutManager hands its rollout and eval metrics back with its results, and
+training ranks reduce theirs through `ParallelState`, so one W&B run holds everything. Each JSONL record is one
+`write` on an O_APPEND descriptor, so a resumed run (or a tool) appending to the same file never interleaves.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ import logging
 import math
 import numbers
 import os
-import sys
 import time
-from typing import IO, Any
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +62,7 @@ class Tracker:
         self.metrics_dir: str | None = args.metrics_dir
         self._jsonl_fd: int | None = None
         self._tb = None
+        self._wandb = None
         if not self.metrics_dir:
             return
         os.makedirs(self.metrics_dir, exist_ok=True)
@@ -72,6 +72,8 @@ class Tracker:
             from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard import costs ~1 s
 
             self._tb = SummaryWriter(log_dir=os.path.join(self.metrics_dir, "tb"))
+        if args.use_wandb:
+            self._wandb = _init_wandb(args, self.metrics_dir)
 
     def log(self, metrics: dict[str, Any], step: int, kind: str = "train") -> None:
         """Record one step's metrics; TensorBoard tags are `{kind}/{key}` (keys already prefixed stay as is)."""
@@ -89,6 +91,9 @@ class Tracker:
                 tag = key if key.startswith(f"{kind}/") else f"{kind}/{key}"
                 self._tb.add_scalar(tag, v, global_step=int(step), walltime=now)
             self._tb.flush()
+        if self._wandb is not None:
+            scalars = {(k if k.startswith(f"{kind}/") else f"{kind}/{k}"): _scalar(v) for k, v in metrics.items()}
+            self._wandb.log({k: v for k, v in scalars.items() if v is not None}, step=int(step))
         logger.debug("%s step %d: %s", kind, step, metrics)
 
     def close(self) -> None:
@@ -98,6 +103,9 @@ class Tracker:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
     def __enter__(self) -> Tracker:
         return self
@@ -106,61 +114,83 @@ class Tracker:
         self.close()
 
 
+def _init_wandb(args: Any, metrics_dir: str) -> Any:
+    """A W&B run with the job's flags as config; files under METRICS_DIR/wandb (offline runs stay there)."""
+    import wandb
+
+    config = {k: _to_plain(v) for k, v in sorted(vars(args).items())}
+    os.environ.setdefault("WANDB_SILENT", "true")  # its banner would break the one-line-per-rollout console
+    return wandb.init(
+        project=args.wandb_project,
+        group=args.wandb_group,
+        mode=args.wandb_mode,
+        dir=metrics_dir,
+        config=config,
+        name=os.path.basename(os.path.abspath(metrics_dir)),
+    )
+
+
 def _fmt_seconds(s: float) -> str:
     s = int(s)
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
-class Progress:
-    """Main-loop progress: a tqdm bar on a terminal; otherwise one `logging` line per step (CI, Ray logs, files).
+# phases of one step as they appear in the progress line (metric key -> short name), in loop order
+PHASES = (
+    ("time/eval", "eval"),
+    ("time/rollout", "rollout"),
+    ("time/log_probs", "log-probs"),
+    ("time/train", "train"),
+    ("time/save", "save"),
+    ("time/weight_sync", "sync"),
+)
 
-    Why both: a bar redraws in place, which turns into thousands of garbage lines in a log file, while a
-    headless run still needs to say how far it got and how long is left.
+
+def step_line(metrics: dict[str, Any], eval_metrics: dict[str, Any] | None = None) -> str:
+    """The console's summary of one rollout: reward, latest eval reward(s), step time and where it went."""
+    parts = []
+    reward = metrics.get("rollout/raw_reward_mean")
+    if reward is not None:
+        parts.append(f"reward {reward:.3f}")
+    for key, value in sorted((eval_metrics or {}).items()):
+        if key.startswith("eval/") and "/" not in key[5:] and isinstance(value, numbers.Real):
+            parts.append(f"{key} {value:.3f}")
+    if (step := metrics.get("time/step")) is not None:
+        phases = " ".join(f"{name} {metrics[k]:.1f}" for k, name in PHASES if metrics.get(k) is not None)
+        parts.append(f"{step:.1f}s [{phases}]" if phases else f"{step:.1f}s")
+    return " | ".join(parts)
+
+
+class Progress:
+    """Main-loop progress as one log line per step: how far, how long left, and a caller's summary of the step.
+
+    Why lines and not a redrawn bar: every step's numbers stay readable afterwards, in a terminal, in CI and in a
+    log file alike.
     """
 
-    def __init__(self, total: int, desc: str, stream: IO[str] | None = None, start: int = 0) -> None:
+    def __init__(self, total: int, desc: str, start: int = 0) -> None:
         self.total = total
         self.desc = desc
         self.n = start
         self._start_n = start
         self._t0 = time.monotonic()
-        stream = stream if stream is not None else sys.stderr
-        self.interactive = bool(getattr(stream, "isatty", lambda: False)())
-        self._bar = None
-        if self.interactive:
-            from tqdm import tqdm
 
-            self._bar = tqdm(total=total, initial=start, desc=desc, file=stream, dynamic_ncols=True)
-
-    def update(self, n: int = 1, **postfix: Any) -> None:
-        """Advance by `n` steps; `postfix` (e.g. reward=0.5) is shown on the bar / appended to the log line."""
+    def update(self, n: int = 1, detail: str = "", **postfix: Any) -> None:
+        """Advance by `n` steps and log the line; `detail` and `postfix` (e.g. reward=0.5) are appended."""
         self.n += n
-        if self._bar is not None:
-            if postfix:
-                self._bar.set_postfix(postfix, refresh=False)
-            self._bar.update(n)
-            return
         elapsed = time.monotonic() - self._t0
         done = self.n - self._start_n
         eta = elapsed / done * (self.total - self.n) if done > 0 else float("nan")
         extra = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in postfix.items())
-        pct = 100.0 * self.n / self.total if self.total else 100.0
         eta_s = _fmt_seconds(eta) if math.isfinite(eta) else "?"
+        text = " | ".join(x for x in (detail, extra) if x)
         logger.info(
-            "%s: %d/%d (%.0f%%) elapsed %s eta %s%s",
-            self.desc,
-            self.n,
-            self.total,
-            pct,
-            _fmt_seconds(elapsed),
-            eta_s,
-            f" {extra}" if extra else "",
-        )
+            "%s %d/%d%s | elapsed %s eta %s", self.desc, self.n, self.total, f" | {text}" if text else "",
+            _fmt_seconds(elapsed), eta_s,
+        )  # fmt: skip
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+        pass
 
     def __enter__(self) -> Progress:
         return self
@@ -169,6 +199,6 @@ class Progress:
         self.close()
 
 
-def progress(total: int, desc: str, stream: IO[str] | None = None, start: int = 0) -> Progress:
-    """A `Progress` for `total` steps (resume with `start`); use as a context manager so the bar is closed."""
-    return Progress(total, desc, stream=stream, start=start)
+def progress(total: int, desc: str, start: int = 0) -> Progress:
+    """A `Progress` for `total` steps (resume with `start`)."""
+    return Progress(total, desc, start=start)

@@ -1,9 +1,8 @@
-"""Tracker: JSONL records, TensorBoard scalars readable back, progress helper on TTY and non-TTY streams."""
+"""Tracker: JSONL records, TensorBoard scalars and W&B offline runs readable back, and the progress line."""
 
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import logging
 from collections.abc import Callable
@@ -12,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from slime.utils.tracking import Tracker, progress
+from slime.utils.tracking import Tracker, progress, step_line
 
 pytestmark = pytest.mark.cpu
 
@@ -77,36 +76,82 @@ def test_no_metrics_dir_writes_nothing(tmp_path, monkeypatch, make_args: Callabl
     assert list(tmp_path.iterdir()) == []
 
 
-class _TTY(io.StringIO):
-    def isatty(self) -> bool:
-        return True
-
-
-def test_progress_non_tty_logs_one_line_per_step(caplog):
-    stream = io.StringIO()
-    with caplog.at_level(logging.INFO, logger="slime.utils.tracking"), progress(4, "rollout", stream=stream) as p:
-        assert not p.interactive
-        for _ in range(4):
-            p.update(reward=0.123456)
+def test_progress_logs_one_line_per_step_with_the_steps_summary(caplog):
+    with caplog.at_level(logging.INFO, logger="slime.utils.tracking"), progress(4, "rollout") as p:
+        for step in range(4):
+            metrics = {
+                "rollout/raw_reward_mean": 0.25 * step,
+                "time/step": 2.0,
+                "time/rollout": 1.5,
+                "time/train": 0.4,
+            }
+            p.update(detail=step_line(metrics, {"eval/toy": 0.5, "eval/toy/truncated": 0.1}), loss=0.123456)
     lines = [r.getMessage() for r in caplog.records if r.name == "slime.utils.tracking"]
     assert len(lines) == 4
-    assert lines[0].startswith("rollout: 1/4 (25%)") and "reward=0.1235" in lines[0]
-    assert lines[-1].startswith("rollout: 4/4 (100%)") and "eta 0:00" in lines[-1]
-    assert stream.getvalue() == ""  # quiet: no bar written
+    assert lines[0].startswith("rollout 1/4 | reward 0.000 | eval/toy 0.500 | 2.0s [rollout 1.5 train 0.4]")
+    assert "loss=0.1235" in lines[0] and "eval/toy/truncated" not in lines[0]
+    assert lines[-1].startswith("rollout 4/4 | reward 0.750") and lines[-1].endswith("eta 0:00")
 
 
-def test_progress_tty_draws_bar_and_resumes(caplog):
-    stream = _TTY()
-    with (
-        caplog.at_level(logging.INFO, logger="slime.utils.tracking"),
-        progress(10, "train", stream=stream, start=5) as p,
-    ):
-        assert p.interactive
-        p.update(2, loss=0.5)
+def test_progress_resumes_from_start(caplog):
+    with caplog.at_level(logging.INFO, logger="slime.utils.tracking"), progress(10, "rollout", start=5) as p:
+        p.update(2)
     assert p.n == 7
-    out = stream.getvalue()
-    assert "train" in out and "7/10" in out and "loss=0.5" in out
-    assert not [r for r in caplog.records if r.name == "slime.utils.tracking"]
+    assert [r.getMessage() for r in caplog.records][-1].startswith("rollout 7/10 | elapsed")
+
+
+def read_wandb_history(run_dir) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
+    """(history rows, config, group) of an offline W&B run, read from its .wandb file (LevelDB-style log
+    records: 7-byte header, 32 KiB blocks, records split FIRST/MIDDLE/LAST) with W&B's own protobuf types."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = list(run_dir.glob("run-*.wandb"))
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    rows, config, group, pos, buf = [], {}, "", 7, b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:
+            pos += 32768 - pos % 32768
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + n], pos + 7 + n
+        if kind in (1, 4):
+            rec = pb.Record()
+            rec.ParseFromString(buf + chunk if kind == 4 else chunk)
+            buf = b""
+            which = rec.WhichOneof("record_type")
+            if which == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
+            elif which == "run":
+                config = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.run.config.update}
+                group = rec.run.run_group
+        elif kind == 2:
+            buf = chunk
+        elif kind == 3:
+            buf += chunk
+        else:
+            break
+    return rows, config, group
+
+
+def test_wandb_offline_run_holds_the_metrics_and_the_args(tmp_path, tracker_args):
+    args = tracker_args(use_wandb=True, wandb_mode="offline", wandb_group="seeds", lr=3e-4, use_tensorboard=False)
+    with Tracker(args) as t:
+        for step in range(3):
+            t.log({"raw_reward_mean": 0.1 * step}, step=step, kind="rollout")
+            t.log({"train/loss": 1.0 / (step + 1), "blob": "not a scalar"}, step=step, kind="train")
+    runs = list((tmp_path / "metrics" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    rows, config, group = read_wandb_history(runs[0])
+    by_step: dict[int, dict[str, Any]] = {}
+    for row in rows:
+        by_step.setdefault(row["_step"], {}).update(row)
+    assert [by_step[s]["rollout/raw_reward_mean"] for s in range(3)] == pytest.approx([0.0, 0.1, 0.2])
+    assert [by_step[s]["train/loss"] for s in range(3)] == pytest.approx([1.0, 0.5, 1 / 3])
+    assert "train/blob" not in by_step[0]
+    assert config["lr"] == 3e-4 and config["wandb_mode"] == "offline" and group == "seeds"
 
 
 def test_two_trackers_share_one_directory(tmp_path, tracker_args):

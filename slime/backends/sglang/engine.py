@@ -17,6 +17,7 @@ from typing import Any
 
 from slime.backends.sglang.client import SGLangClient
 from slime.backends.sglang.server_args import build_server_argv
+from slime.utils.console import configure_actor
 from slime.utils.http_utils import find_free_port, node_address
 from slime.utils.process import ManagedProcess, log_tail
 
@@ -47,6 +48,8 @@ class SGLangEngine:
         nnodes: int = 1,
         node_rank: int = 0,
     ) -> None:
+        node = f"_node{node_rank}" if nnodes > 1 else ""
+        configure_actor(args.log_level, args.metrics_dir, f"engine_actor_{rank}{node}")
         self.args = args
         self.rank = rank
         self.base_gpu_id = base_gpu_id
