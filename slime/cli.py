@@ -51,8 +51,11 @@ def main(argv: list[str] | None = None) -> int:
 
             try:
                 train(args)
-            except (SlimeArgError, KeyboardInterrupt):
+            except SlimeArgError:
                 raise
+            except KeyboardInterrupt:  # a stop asked for (Ctrl-C, or a driving script): the run was shut down
+                print("slime: interrupted; every process of the run was stopped", file=sys.stderr)
+                return 130
             except Exception as e:
                 if os.environ.get("SLIME_DEBUG"):
                     raise

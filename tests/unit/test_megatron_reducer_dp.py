@@ -36,13 +36,14 @@ ENTROPY_COEF = 0.01
 LOSS_TOL = 1e-5
 GRAD_RTOL = 1e-4  # of the largest gradient entry
 LAYOUTS = ("dp2", "tp2", "tp1")
+PER_TOKEN_LAYOUTS = ("dp2_pt", "tp1_pt")  # --calculate-per-token-loss
 METRIC_NAMES = ("entropy_loss", "loss", "pg_clipfrac", "pg_loss", "ppo_kl")  # what policy_loss reports here
 
 
-def _args(ckpt: str, tp: int):
+def _args(ckpt: str, tp: int, per_token: bool = False):
     from slime.arguments import parse_args
 
-    return parse_args([
+    return parse_args([*(["--calculate-per-token-loss"] if per_token else []),
         "--hf-checkpoint", ckpt, "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "1",
         "--global-batch-size", "3", "--allow-partial-last-step", "--use-dynamic-batch-size",
         "--max-tokens-per-gpu", "24", "--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "2",
@@ -98,12 +99,12 @@ def _build_checkpoint(out: Path) -> None:
 # ---------------------------------------------------------------- real megatron (spawned ranks)
 
 
-def _train_layout(rank: int, world: int, port: int, ckpt: str, tp: int, out: str) -> None:
+def _train_layout(rank: int, world: int, port: int, ckpt: str, tp: int, out: str, per_token: bool = False) -> None:
     from slime.backends.megatron.hf_weights import iter_hf_tensors, layer_offset, unwrap_model
     from slime.backends.megatron.initialize import destroy_megatron
     from slime.backends.megatron.trainer import MegatronTrainer
 
-    args = _args(ckpt, tp)
+    args = _args(ckpt, tp, per_token)
     trainer = MegatronTrainer(args, rank, world, "127.0.0.1", port)
     ps = trainer.ps
     data = _rank_data(args, trainer.spec.vocab_size, ps.size("dp"))
@@ -128,8 +129,10 @@ def _worker(rank: int, ports: list[int], ckpt: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     _train_layout(rank, 2, ports[0], ckpt, 1, os.path.join(out_dir, "dp2.pt"))
     _train_layout(rank, 2, ports[1], ckpt, 2, os.path.join(out_dir, "tp2.pt"))
-    if rank == 0:  # the single-rank run: a world of its own
+    _train_layout(rank, 2, ports[3], ckpt, 1, os.path.join(out_dir, "dp2_pt.pt"), per_token=True)
+    if rank == 0:  # the single-rank runs: a world of their own
         _train_layout(0, 1, ports[2], ckpt, 1, os.path.join(out_dir, "tp1.pt"))
+        _train_layout(0, 1, ports[4], ckpt, 1, os.path.join(out_dir, "tp1_pt.pt"), per_token=True)
 
 
 # ---------------------------------------------------------------- simulated dp=2 and the reference loop
@@ -197,8 +200,10 @@ def _simulated(args, ckpt: str, vocab: int) -> dict:
     return SimulatedWorld(2).run(rank_fn)[0]
 
 
-def _reference(args, ckpt: str, vocab: int, per_sample_mean: bool = False) -> list[dict]:
-    """Per-token loops over groups: L_s and its gradient for each step (π_old = π, so the ratio is 1)."""
+def _reference(args, ckpt: str, vocab: int, per_sample_mean: bool = False, per_token: bool = False) -> list[dict]:
+    """Per-token loops over groups: L_s and its gradient for each step (π_old = π, so the ratio is 1). With
+    `per_token`, every masked token of the step weighs the same: the sum over them divided by their count
+    (a sample with no masked token counts as one)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
@@ -213,12 +218,15 @@ def _reference(args, ckpt: str, vocab: int, per_sample_mean: bool = False) -> li
             groups.setdefault(data["group_ids"][i], []).append(i)
         assert len(groups) == b
         total = pg_total = ent_total = 0.0
+        step_tokens = sum(max(sum(data["loss_masks"][i]), 1) for i in idx)
         for members in groups.values():
             denom = sum(sum(data["loss_masks"][i]) for i in members)
             for i in members:
                 toks, n = data["tokens"][i], data["response_lengths"][i]
                 logp = torch.log_softmax(_hf_logits(model, toks) / TEMPERATURE, dim=-1)
                 d = sum(data["loss_masks"][i]) if per_sample_mean else denom
+                if per_token:
+                    d = step_tokens / b  # cancels the 1/b below: one mean over the step's tokens
                 for t in range(n):
                     if not data["loss_masks"][i][t]:
                         continue
@@ -246,11 +254,12 @@ def runs(tmp_path_factory):
     ckpt = str(root / "model")
     _build_checkpoint(Path(ckpt))
     # daemon: should the test be interrupted, the ranks die with it (a failing rank makes spawn stop the other)
-    mp.spawn(_worker, args=([find_free_port() for _ in range(3)], ckpt, str(root)), nprocs=2, daemon=True)
+    mp.spawn(_worker, args=([find_free_port() for _ in range(5)], ckpt, str(root)), nprocs=2, daemon=True)
     vocab = read_hf_config(ckpt).vocab_size
     args = _args(ckpt, 1)
     return {
-        "real": {k: torch.load(root / f"{k}.pt") for k in LAYOUTS},
+        "real": {k: torch.load(root / f"{k}.pt") for k in (*LAYOUTS, *PER_TOKEN_LAYOUTS)},
+        "ref_per_token": _reference(_args(ckpt, 1, per_token=True), ckpt, vocab, per_token=True),
         "sim": _simulated(args, ckpt, vocab),
         "ref": _reference(args, ckpt, vocab),
         "naive": _reference(args, ckpt, vocab, per_sample_mean=True),
@@ -307,3 +316,18 @@ def test_negative_control_per_sample_means_differ(runs):
     got = runs["real"]["dp2"]
     assert abs(got["metrics"]["train/loss"] - sum(s["loss"] for s in naive) / len(naive)) > 100 * LOSS_TOL
     assert _grad_error(got["grads"][0], naive[0]["grads"]) > 100 * GRAD_RTOL
+
+
+def test_per_token_loss_is_one_mean_over_the_steps_tokens_in_every_layout(runs):
+    """--calculate-per-token-loss: the same gradient however the step is split into micro-batches and ranks."""
+    ref, grouped = runs["ref_per_token"], runs["ref"]
+    for step, want in enumerate(ref):
+        for k in PER_TOKEN_LAYOUTS:
+            got = runs["real"][k]["grads"]
+            assert len(got) == len(ref)
+            assert _grad_error(got[step], want["grads"]) < GRAD_RTOL, (k, step)
+    for k in PER_TOKEN_LAYOUTS:
+        got = runs["real"][k]["metrics"]["train/loss"]
+        want = sum(s["loss"] for s in ref) / len(ref)
+        assert abs(got - want) < LOSS_TOL, (k, got, want)
+    assert _grad_error(ref[0]["grads"], grouped[0]["grads"]) > 100 * GRAD_RTOL  # the two modes differ here

@@ -154,6 +154,9 @@ def transformer_config_kwargs(spec: HFModelSpec, args: Any) -> dict[str, Any]:
         expert_tensor_parallel_size=etp,
         sequence_parallel=bool(args.sequence_parallel) and tp > 1,
         variable_seq_lengths=True,
+        # --calculate-per-token-loss: megatron divides the step's gradient by its total token count (over
+        # micro-batches and DP) and sums, not averages, over DP; else each micro-batch would be a mean of its own
+        calculate_per_token_loss=bool(args.calculate_per_token_loss),
         moe_token_dispatcher_type="alltoall",  # allgather rejects variable_seq_lengths (as slime forces)
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,

@@ -369,7 +369,8 @@ class MegatronTrainer:
             nonlocal local_tokens
             if not mb["tokens"]:
                 zero = logits.sum() * 0.0  # keeps every parameter in the graph; contributes nothing
-                return zero, torch.tensor(1, dtype=torch.int), {}
+                # per-token mode counts the step's tokens: an empty micro-batch has none
+                return zero, torch.tensor(0 if per_token else 1, dtype=torch.int), {}
             if "advantages" not in mb and args.loss_type == "policy_loss":
                 raise ValueError(
                     "no advantages: with --disable-compute-advantages-and-returns a --rollout-data-postprocess-path "
