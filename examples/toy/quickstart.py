@@ -129,6 +129,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--samples", type=int, default=8, help="samples per prompt")
     p.add_argument("--eval-interval", type=int, default=5)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--num-train", type=int, default=4096, help="training prompts (GRPO sees each once per epoch)")
     a, extra = p.parse_known_args(argv)
     return a, [x for x in extra if x != "--"]
 
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         logger.info("smoke run done in %.0f s; metrics in %s, rollouts in %s/dump", wall, out, out)
         return {"smoke_wall_s": wall}
 
-    paths = prepare(out / "assets", num_train=4096, num_eval=128, model_kwargs=MODEL)
+    paths = prepare(out / "assets", num_train=a.num_train, num_eval=128, model_kwargs=MODEL)
     walls: dict[str, float] = {}
     logger.info("1/2 SFT warm-up: %d steps of the labels, no inference server", a.sft_steps)
     sft_flags = [
