@@ -17,6 +17,27 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The quick start installs the test dependencies in the background; a suite started before that install
+    ends would skip what it has not installed yet, so it waits (with one line saying why)."""
+    if hasattr(session.config, "workerinput"):  # xdist workers: the controller already waited
+        return
+    import time
+    from pathlib import Path
+
+    pid_file = Path(__file__).resolve().parent / ".test-deps.pid"
+    announced = False
+    while pid_file.exists():
+        try:
+            os.kill(int(pid_file.read_text().strip()), 0)
+        except (ValueError, ProcessLookupError, PermissionError):
+            break
+        if not announced:
+            print("\nwaiting for the background install of the test dependencies (log: runs/install-test-deps.log)")
+            announced = True
+        time.sleep(2)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     unmarked = [it.nodeid for it in items if not ({"cpu", "gpu"} & {m.name for m in it.iter_markers()})]
     if unmarked:

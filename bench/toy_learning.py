@@ -462,8 +462,8 @@ def finish(a: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
     out = ROOT / a.out_json
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1) + "\n")
+    print_table(res)  # the table first: a plotting failure must not hide the result
     plot(ROOT / a.png, res)
-    print_table(res)
     return res
 
 

@@ -69,17 +69,23 @@ def train(args: Namespace) -> dict:
     summary: dict = {"hashes": {}, "metrics": {}, "server_info": None, "train_status": None}
     try:
         placement = create_placement_group(args)
+        resume = checkpoint.find_checkpoint(args.load)
+        offload_rollout = args.offload_rollout and not (args.debug_train_only or args.debug_rollout_only)
         manager = ray.remote(RolloutManager).options(num_cpus=0.1, num_gpus=0).remote(args, placement)
+        actors = RayTrainGroup(args, placement)
+        # Engines and trainers start side by side when they do not share devices (colocated, SGLang sizes its
+        # memory pool from what is free at start-up, and the trainer builds only after the engines offload).
+        overlap = not (args.colocate or offload_rollout)
+        init_refs = actors.start_init(resume[1] if resume else None) if overlap else None
         summary["server_info"] = ray.get(manager.server_info.remote())
         os.makedirs(args.metrics_dir, exist_ok=True)
         with open(os.path.join(args.metrics_dir, "servers.json"), "w") as f:
             json.dump(summary["server_info"], f)  # lets operators (and tests) find the processes while running
-        offload_rollout = args.offload_rollout and not (args.debug_train_only or args.debug_rollout_only)
         if offload_rollout:
             ray.get(manager.offload.remote())  # the trainer builds its model on the engines' GPUs next
-        resume = checkpoint.find_checkpoint(args.load)
-        actors = RayTrainGroup(args, placement)
-        start = actors.init(resume[1] if resume else None)
+        if init_refs is None:
+            init_refs = actors.start_init(resume[1] if resume else None)
+        start = actors.wait_init(init_refs)
         if resume is not None:
             ray.get(manager.load.remote(*resume))  # data source, its buffer, carried-over groups
             summary["resumed_from"] = resume[0]

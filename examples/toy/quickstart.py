@@ -29,6 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 logger = logging.getLogger("quickstart")
 
+STOP_GRACE_S = 90.0  # a clean shutdown (engines, router, Ray) takes seconds; past this, something hangs
 MODEL = {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256}
 
 
@@ -69,16 +70,26 @@ def run(flags: list[str], metrics_dir: Path, stop_at: float | None = None) -> fl
     (metrics_dir / "metrics.jsonl").unlink(missing_ok=True)
     cmd = [*slime_cmd(), "train", *flags, "--metrics-dir", str(metrics_dir)]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)  # SIGINT goes to the driver alone
-    stopped = False
+    # Its own session: SIGINT goes to the driver alone. SIGINT restored to default: a shell starts background
+    # jobs with it ignored, which the child would inherit and then never stop.
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
+    )
+    stopped = None
     try:
         while proc.poll() is None:
             time.sleep(1.0)
-            if stop_at is not None and not stopped and any(v >= stop_at for _, v in eval_curve(metrics_dir)):
+            if stop_at is not None and stopped is None and any(v >= stop_at for _, v in eval_curve(metrics_dir)):
                 logger.info("held-out reward reached %.2f: stopping the run", stop_at)
                 proc.send_signal(signal.SIGINT)
-                stopped = True
-        if proc.returncode != 0 and not stopped:
+                stopped = time.monotonic()
+            elif stopped is not None and time.monotonic() - stopped > STOP_GRACE_S:
+                logger.warning(
+                    "slime train still running %.0f s after SIGINT: killing its process group", STOP_GRACE_S
+                )
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        if proc.returncode != 0 and stopped is None:
             raise SystemExit(f"slime train failed (exit {proc.returncode}); logs in {metrics_dir}/logs")
     except BaseException:
         if proc.poll() is None:
@@ -121,7 +132,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--out", default="runs/toy")
     p.add_argument("--smoke", action="store_true", help="3 GRPO rollouts of the tiny model (wiring check)")
     p.add_argument("--target", type=float, default=0.9, help="stop GRPO once the held-out reward reaches this")
-    p.add_argument("--sft-steps", type=int, default=80)
+    p.add_argument("--sft-steps", type=int, default=100)
     p.add_argument("--sft-lr", type=float, default=1e-3)
     p.add_argument("--rl-max-steps", type=int, default=150)
     p.add_argument("--rl-lr", type=float, default=2e-3)

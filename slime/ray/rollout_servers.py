@@ -98,6 +98,9 @@ class RolloutServers:
     def start(self) -> None:
         args = self.args
         os.makedirs(self.log_dir, exist_ok=True)
+        for slot in self.slots:
+            self._create(slot)
+        starting = self._launch(self.slots)  # engines load their weights while the routers come up
         for rp in self.plan.routers:
             if rp.reuse_user_router:
                 self.routers[rp.model] = None
@@ -107,9 +110,7 @@ class RolloutServers:
             router = RouterProcess.start(args, host=rp.host, port=find_free_port(host=rp.host), pd=rp.pd, log_file=log)
             self.routers[rp.model] = router
             self.router_urls[rp.model] = router.url
-        for slot in self.slots:
-            self._create(slot)
-        self._finish_start(self.slots)
+        self._register(self.slots, starting)
         for ext in self.external:
             if not SGLangClient(ext.url).healthy("/health", timeout=30.0):
                 raise RuntimeError(f"--rollout-external-engine-addrs: {ext.url} does not answer /health")
@@ -152,13 +153,20 @@ class RolloutServers:
             )
         slot.handle, slot.followers = actors[0], actors[1:]
 
-    def _finish_start(self, slots: list[EngineSlot]) -> None:
-        """Start every engine (all nodes of one engine at once: node 0 is healthy only when the others joined),
-        then register each with its model's router."""
+    def _launch(self, slots: list[EngineSlot]) -> list[list[Any]]:
+        """Start every engine (all nodes of one engine at once: node 0 is healthy only when the others joined);
+        returns without waiting."""
         refs = []
         for s in slots:
             addr = ray.get(s.handle.dist_init_address.remote()) if s.followers else None
             refs.append([a.start.remote(addr) for a in s.actors])
+        return refs
+
+    def _finish_start(self, slots: list[EngineSlot]) -> None:
+        self._register(slots, self._launch(slots))
+
+    def _register(self, slots: list[EngineSlot], refs: list[list[Any]]) -> None:
+        """Wait for the engines `_launch` started, then register each with its model's router."""
         try:
             urls = [ray.get(r)[0] for r in refs]
         except Exception as e:

@@ -263,10 +263,18 @@ class RayTrainGroup:
         ]
 
     def init(self, load_path: str | None = None) -> int:
-        """Rank 0 picks the rendezvous on its node; every rank joins there and builds its trainer."""
+        return self.wait_init(self.start_init(load_path))
+
+    def start_init(self, load_path: str | None = None) -> list[Any]:
+        """Rank 0 picks the rendezvous on its node; every rank joins there and builds its trainer. Returns at
+        once, so the driver can start the engines while the trainers build (`wait_init` collects)."""
         master_addr, master_port = ray.get(self.actors[0].rendezvous_address.remote())
-        starts = ray.get([a.init.remote(master_addr, master_port, load_path) for a in self.actors])
-        return starts[0]
+        return [a.init.remote(master_addr, master_port, load_path) for a in self.actors]
+
+    @staticmethod
+    def wait_init(refs: list[Any]) -> int:
+        """The rollout id to start from (every rank agrees; rank 0's answer is returned)."""
+        return ray.get(refs)[0]
 
     def train(self, rollout_id: int, rank_data_refs: list[Any]) -> tuple[list[str | None], dict[str, float]]:
         """Returns every rank's data hash and rank 0's step metrics (already reduced over dp×cp)."""

@@ -152,6 +152,8 @@ def step_line(metrics: dict[str, Any], eval_metrics: dict[str, Any] | None = Non
     reward = metrics.get("rollout/raw_reward_mean")
     if reward is not None:
         parts.append(f"reward {reward:.3f}")
+    if (loss := metrics.get("train/loss")) is not None:
+        parts.append(f"loss {loss:.4g}")
     for key, value in sorted((eval_metrics or {}).items()):
         if key.startswith("eval/") and "/" not in key[5:] and isinstance(value, numbers.Real):
             parts.append(f"{key} {value:.3f}")

@@ -61,6 +61,11 @@ def test_debug_rollout_only_with_cli_harness(harness: str, tmp_path: Path) -> No
         "--custom-rm-path", "test_agent_cli_harnesses.workspace_rm",
         "--save-debug-rollout-data", str(dump), "--metrics-dir", str(tmp_path / "metrics"),
     ]  # fmt: skip
+    if harness == "codex":
+        # Codex's own bubblewrap sandbox fails about one apply_patch in 15 with four episodes at once in these
+        # containers ("Failed to write file", measured; docs/agent.md): this test is about the gateway and the
+        # trajectory, not Codex's sandbox, which the single-episode harness test exercises.
+        argv += ["--agent-codex-sandbox", "bypass"]
     (tmp_path / "engine_logs").mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(Path(__file__).resolve().parent)])}
     log = tmp_path / "slime.log"

@@ -10,10 +10,12 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import psutil
@@ -102,6 +104,20 @@ def check_router_identity(metrics: Path):
     return check
 
 
+_NOISE = re.compile(r"^\S+ \S+ |\(pid=\d+\)|\(\w+ pid=\d+[^)]*\)|\d+(\.\d+)?")  # times, pids, numbers
+
+
+def check_quiet_console(console: str) -> None:
+    """No warning line shows twice (once per actor was the failure) and the known harmless megatron fallbacks
+    (Apex / TransformerEngine) are filtered; one line per rollout reports progress."""
+    warnings = [_NOISE.sub("", x).strip() for x in console.splitlines() if re.search(r"(?i)warn", x)]
+    repeated = {w: n for w, n in Counter(warnings).items() if n > 1}
+    assert not repeated, repeated
+    assert not re.search(r"Apex is not installed|TransformerEngine|transformer_engine", console), console[-3000:]
+    progress = [x for x in console.splitlines() if re.search(r"rollout \d+/\d+ \|", x)]
+    assert len(progress) == NUM_ROLLOUT, console[-3000:]
+
+
 def is_ray_process(cmd: str) -> bool:
     return any(k in cmd for k in ("ray", "gcs_server", "raylet", "default_worker"))
 
@@ -137,6 +153,8 @@ def test_toy_train_replay_and_rollout_only(assets, tmp_path):
     for pid, cmd in live_tree.cmdlines.items():
         if "sim.fake_sglang" in cmd or "sglang_router" in cmd or "sglang::router" in cmd:
             assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+    check_quiet_console((tmp_path / "run.log").read_text())
 
     # 2. replay: same hashes, no engine or router process, no listener outside Ray's own
     replay_flags = ["--load-debug-rollout-data", str(dump), "--hf-checkpoint", str(assets / "model")]
