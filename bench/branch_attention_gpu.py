@@ -125,6 +125,10 @@ def _kernels(packed) -> dict:
 
 
 def main() -> None:
+    from bench.requires import require, require_cuda
+
+    require(["megatron.core"], "bash scripts/install.sh (megatron-core is a main dependency)")
+    require_cuda()
     p = argparse.ArgumentParser()
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default="bench/results/branch_attention_gpu.json")

@@ -26,6 +26,10 @@ SHAPES = {
 
 
 def main() -> None:
+    from bench.requires import require, require_cuda
+
+    require(["megatron.core"], "bash scripts/install.sh (megatron-core is a main dependency)")
+    require_cuda()
     p = argparse.ArgumentParser()
     p.add_argument("--model", choices=sorted(SHAPES), default="1.8B")
     p.add_argument("--seq", type=int, default=4096, help="tokens per packed micro-batch")

@@ -74,6 +74,7 @@ def init_ray(args: Namespace) -> None:
 
     has_gpu = torch.cuda.is_available()
     ray.init(
+        address="local",  # a new cluster even if `ray start` left one on this machine (it is never joined by accident)
         num_cpus=max(os.cpu_count() or 1, 2) + 2,
         num_gpus=None if has_gpu else max(num_bundles, 1),
         include_dashboard=False,
