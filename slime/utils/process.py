@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import IO
 
 import httpx
+import psutil
 
 logger = logging.getLogger(__name__)
 
@@ -142,11 +143,18 @@ class ManagedProcess:
         return self.proc.poll()
 
     def wait_healthy(
-        self, probe: str | Callable[[], bool], timeout: float, interval: float = 0.2, request_timeout: float = 30.0
+        self,
+        probe: str | Callable[[], bool],
+        timeout: float,
+        interval: float = 0.2,
+        request_timeout: float = 30.0,
+        port: int | None = None,
     ) -> None:
         """Poll `probe` (a URL answering 200, or a callable) until it succeeds. Raises RuntimeError at once if
         the child exits, TimeoutError after `timeout`; both end with the child's log tail. A child that does not
-        become healthy is stopped."""
+        become healthy is stopped. With `port`, a healthy answer counts only once the child (or a descendant)
+        listens there: a free port can be taken by another process between choosing it and binding it, and
+        that process's health answer must not pass for ours."""
         check = _url_probe(probe, request_timeout) if isinstance(probe, str) else probe
         deadline = time.monotonic() + timeout
         try:
@@ -155,7 +163,7 @@ class ManagedProcess:
                     raise RuntimeError(
                         f"{self.name} exited with code {self.proc.returncode} during start-up{log_tail(self.log_path)}"
                     )
-                if check():
+                if check() and (port is None or self._listens_on(port)):
                     return
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"{self.name} not healthy after {timeout:.0f}s{log_tail(self.log_path)}")
@@ -163,6 +171,21 @@ class ManagedProcess:
         except BaseException:
             self.stop()
             raise
+
+    def _listens_on(self, port: int) -> bool:
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return False
+        for p in procs:
+            try:
+                conns = p.net_connections(kind="inet")
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in conns):
+                return True
+        return False
 
     def stop(self, grace: float = STOP_GRACE_S) -> int | None:
         return stop_popen(self.proc, grace)

@@ -97,7 +97,7 @@ class SGLangEngine:
         if self.node_rank > 0:
             return None
         self.client = SGLangClient(self.url)
-        self.process.wait_healthy(self.client.healthy, timeout, interval=0.3)
+        self.process.wait_healthy(self.client.healthy, timeout, interval=0.3, port=self.port)
         return self.url
 
     def pid(self) -> int | None:

@@ -96,7 +96,7 @@ class RouterProcess:
         process = ManagedProcess.start(argv, name=f"sglang-router {host}:{port}", log_path=log_file)
         router = cls(process, host, port, log_file)
         try:
-            process.wait_healthy(f"{router.url}/health", timeout, request_timeout=2.0)
+            process.wait_healthy(f"{router.url}/health", timeout, request_timeout=2.0, port=port)
         except BaseException:
             router._client.close()
             raise
