@@ -99,6 +99,17 @@ def _worker(rank: int, port: int, ckpt: str, config: str, out: str) -> None:
             "exported": len(exported),
         }  # fmt: skip
     res["numel"] = sum(p.numel() for p in actor.model.parameters())
+    # the memory plan's count and host bytes for this very trainer (fp32, plain optimizer: the CPU defaults)
+    from slime.backends.megatron.memory import MemoryConfig, ModelShape, build_memory_plan, params_per_rank
+
+    shape = ModelShape.of(actor.spec)
+    res["plan_numel"] = {"actor": params_per_rank(shape, 1, 1, 0),
+                         "critic": params_per_rank(ModelShape.of(critic.spec), 1, 1, 0, critic=True)}  # fmt: skip
+    res["critic_numel"] = sum(p.numel() for p in critic.model.parameters())
+    res["plan_host_asleep"] = {}
+    for policy in ("v0.3.0", "legacy"):
+        cfg = MemoryConfig(actor=shape, bf16=False, distributed_optimizer=False, policy=policy, colocated=False)
+        res["plan_host_asleep"][policy] = build_memory_plan(cfg).stages[0].phase("rollout").host_total
     Path(out).write_text(json.dumps(res))
 
 
@@ -156,3 +167,6 @@ def test_critic_and_actor_from_role_args(tmp_path):
     assert d["host_asleep"] == d["params"] + d["optimizer"]
     assert legacy["host_asleep"] == 2 * legacy["params"] + legacy["grads"] + legacy["optimizer"]
     assert legacy["host_asleep"] - d["host_asleep"] == (4 + 4) * r["numel"]
+    # the memory plan knows this trainer: its parameter count and what each policy keeps on the host
+    assert r["plan_numel"] == {"actor": r["numel"], "critic": r["critic_numel"]}
+    assert r["plan_host_asleep"] == {"v0.3.0": d["host_asleep"], "legacy": legacy["host_asleep"]}
