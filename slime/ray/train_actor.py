@@ -166,6 +166,7 @@ class TrainRayActor:
         return {
             f"memory/{self.role}_host_asleep_bytes": float(sum(rep["host"].values())),
             f"memory/{self.role}_host_rss_asleep_bytes": float(rep["rss_asleep"]),
+            f"memory/{self.role}_host_pinned_asleep_bytes": float(rep["pinned"]),
             f"memory/{self.role}_params": float(params),
         }
 

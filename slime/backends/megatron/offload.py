@@ -295,12 +295,18 @@ class TrainOffloader:
             self._record(name)
 
     def memory_report(self) -> dict[str, Any]:
-        """The ledger's state and the host RSS measured right after the last sleep (for metrics and benches)."""
+        """The ledger's state and the host RSS measured right after the last sleep (for metrics and benches).
+
+        `pinned` is the part of the host bytes in page-locked memory (torch_memory_saver's backups and the default
+        policy's weight copy; the legacy policy's extra copy is ordinary memory); 0 without a GPU."""
+        host = dict(self.ledger.host)
+        pinned = sum(host.values()) - (host["weights_copy"] if self.legacy else 0) if self.saver is not None else 0
         return {
             "policy": self.policy,
             "backend": self.backend,
             "asleep": self.asleep,
             "device": dict(self.ledger.device),
-            "host": dict(self.ledger.host),
+            "host": host,
+            "pinned": pinned,
             "rss_asleep": self.rss_asleep,
         }
