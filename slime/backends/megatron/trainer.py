@@ -404,11 +404,11 @@ class MegatronTrainer:
         order = [(j, p) for j, mb in enumerate(mbs) for p in range(len(mb["tokens"]))]
         flat: dict[str, list[Any]] = {}
         for key in ("rewards", "loss_masks", "total_lengths", "response_lengths", "values", "log_probs", "ref_log_probs", "rollout_log_probs"):  # fmt: skip
-            if all(key in mbs[j] for j, _ in order) and order:
+            if all(key in mbs[j] for j, _ in order):  # a rank without samples still joins the collectives
                 flat[key] = [mbs[j][key][p] for j, p in order]
         for key in ("batch_positions", "next_segments"):
             flat[key] = [data[key][mbs[j]["indices"][p]] for j, p in order]
-        adv, ret = ppo_advantages(self.args, flat, self.ps, kl_coef=kl_coef) if order else ([], [])
+        adv, ret = ppo_advantages(self.args, flat, self.ps, kl_coef=kl_coef)
         if self.args.normalize_advantages:
             adv = distributed_masked_whiten(adv, [torch.as_tensor(m) for m in flat.get("loss_masks", [])], self.ps)
         for mb in mbs:
