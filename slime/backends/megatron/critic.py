@@ -27,8 +27,9 @@ from slime.algorithms.reducers import make_reducer
 from slime.backends.megatron.hf_weights import HFReader, load_hf_weights
 from slime.backends.megatron.initialize import run_custom_megatron_init
 from slime.backends.megatron.model_provider import build_gpt_model
+from slime.backends.megatron.offload import PhaseMemory
 from slime.backends.megatron.packing import PackedBatch
-from slime.backends.megatron.trainer import MegatronTrainer, PhaseMemory
+from slime.backends.megatron.trainer import MegatronTrainer
 
 logger = logging.getLogger(__name__)
 

@@ -310,3 +310,30 @@ class TrainOffloader:
             "pinned": pinned,
             "rss_asleep": self.rss_asleep,
         }
+
+
+@contextlib.contextmanager
+def no_region(kind: str) -> Iterator[None]:
+    """What a trainer without an offloader allocates in: nothing special."""
+    yield
+
+
+class PhaseMemory:
+    """Peak device bytes of each phase of a train call (CUDA only): `torch.cuda.max_memory_allocated` between
+    phase ends, reported as `memory/<phase>_peak_bytes` (what `slime plan`'s memory plan predicts)."""
+
+    def __init__(self) -> None:
+        self.cuda = torch.cuda.is_available()
+        self.peaks: dict[str, float] = {}
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+    def end(self, phase: str) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peaks[phase] = float(torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+
+    def metrics(self) -> dict[str, float]:
+        return {f"memory/{k}_peak_bytes": v for k, v in self.peaks.items()}

@@ -9,7 +9,6 @@ and advances the LR schedule by b.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from argparse import Namespace
@@ -29,6 +28,7 @@ from slime.backends.megatron.hf_config import read_hf_config
 from slime.backends.megatron.hf_weights import export_hf_weights, load_hf_weights, unwrap_model
 from slime.backends.megatron.initialize import init_distributed, init_megatron, run_custom_megatron_init
 from slime.backends.megatron.model_provider import build_gpt_model, mask_padded_vocab
+from slime.backends.megatron.offload import PhaseMemory, no_region
 from slime.backends.megatron.packing import PackedBatch, pack_samples
 from slime.utils.misc import load_function
 
@@ -37,34 +37,8 @@ logger = logging.getLogger(__name__)
 _EMPTY = object()  # marks a padding micro-batch (a rank with nothing to do in a step still joins the schedule)
 
 
-@contextlib.contextmanager
-def _no_region(kind: str) -> Iterator[None]:
-    yield
-
-
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-class PhaseMemory:
-    """Peak device bytes of each phase of a train call (CUDA only): `torch.cuda.max_memory_allocated` between
-    phase ends, reported as `memory/<phase>_peak_bytes` (what `slime plan`'s memory plan predicts)."""
-
-    def __init__(self) -> None:
-        self.cuda = torch.cuda.is_available()
-        self.peaks: dict[str, float] = {}
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-
-    def end(self, phase: str) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-            self.peaks[phase] = float(torch.cuda.max_memory_allocated())
-            torch.cuda.reset_peak_memory_stats()
-
-    def metrics(self) -> dict[str, float]:
-        return {f"memory/{k}_peak_bytes": v for k, v in self.peaks.items()}
 
 
 class MegatronTrainer:
@@ -92,7 +66,7 @@ class MegatronTrainer:
 
         self.args = args
         self.offloader = offloader  # offload.py, set up by the train actor; None: never asleep
-        region = offloader.region if offloader is not None else _no_region
+        region = offloader.region if offloader is not None else no_region
         init_distributed(args, rank, world_size, master_addr, master_port, node_ip=node_ip, listen=listen)
         self.ps = init_megatron(args)
         self.spec = read_hf_config(args.hf_checkpoint)
