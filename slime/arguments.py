@@ -22,6 +22,7 @@ import yaml
 from slime.agent.arguments import add_agent_arguments, resolve_agent_args
 from slime.algorithms import arguments as algorithm_flags
 from slime.backends.megatron import arguments as megatron_flags
+from slime.backends.megatron.roles import resolve_roles
 from slime.backends.sglang.arguments import add_rollout_engine_arguments, validate_rollout_engine_args
 from slime.backends.sglang.flags import add_router_arguments, add_sglang_arguments, check_unknown_prefixed
 from slime.ray.arguments import add_cluster_arguments, validate_cluster_args
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 DERIVED = {
     "world_size": "train ranks (--actor-num-nodes x --actor-num-gpus-per-node)",
     "sglang_model_routers": "{model name: router URL}, set once the routers are up",
+    "role_overrides": "{role: {dest: value}} from --megatron-config / --critic-load / --critic-save",
 }
 
 
@@ -165,7 +167,8 @@ def refuse_unsupported(args: argparse.Namespace, parser: argparse.ArgumentParser
 
 def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> None:
     """slime's cross-flag rules, room by room; derived values are written back onto args (as slime does)."""
-    refuse_unsupported(args, parser or build_parser())
+    parser = parser or build_parser()
+    refuse_unsupported(args, parser)
     if args.dump_details:
         args.save_debug_rollout_data = args.save_debug_rollout_data or os.path.join(
             args.dump_details, "rollout_data", "{rollout_id}.pt"
@@ -181,6 +184,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     algorithm_flags.validate_algorithm_args(args)
     validate_cluster_args(args)
     megatron_flags.validate_megatron_args(args)
+    resolve_roles(args, parser)
     validate_rollout_engine_args(args)
     if not args.debug_train_only and args.hf_checkpoint is None:
         raise SlimeArgError("--hf-checkpoint is required (tokenizer and initial weights of the rollout engines)")
@@ -199,6 +203,7 @@ def default_args(**overrides: Any) -> argparse.Namespace:
     args = build_parser().parse_args([])
     args.world_size = 1
     args.sglang_model_routers = {}
+    args.role_overrides = {}
     for key, value in overrides.items():
         if key not in vars(args):
             close = difflib.get_close_matches(key, vars(args), n=1)

@@ -1,33 +1,42 @@
-"""`slime plan --sglang-config X [--json] <slime train flags>`: print the deployment plan, start nothing.
+"""`slime plan [--sglang-config X] [--json] <slime train flags>`: print the deployment and memory plans, start nothing.
 
 Takes the same flags as `slime train` so what it prints is what training would launch. Planning must work
 on a laptop without the checkpoint, so `--hf-checkpoint` need not exist and the batch-size flags that
-`train` requires get neutral defaults here.
+`train` requires get neutral defaults here. The memory plan (slime/backends/megatron/memory.py, docs/memory.md)
+needs the model's shape, so it is printed when `--hf-checkpoint`'s config.json is there: per pipeline stage and
+phase, the GPU and host bytes of every buffer, the offload policies side by side, and the peaks per rank. A
+configuration that cannot fit (`--gpu-memory-gib`, `--host-memory-gib` per node) makes the command exit 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import os
 import sys
 import tempfile
 
+from slime.backends.megatron.memory import MemoryPlan, build_memory_plan, config_from_args
 from slime.backends.sglang.deployment import DeploymentPlan, build_plan
 from slime.backends.sglang.sglang_config import resolve_sglang_config
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, bool]:
+    """The train flags, validated as `slime train` would; `args.plan_capacity` carries the plan's own flags."""
     from slime.arguments import build_parser, reject_unknown, validate_args
 
     parser = build_parser()
     parser.prog = "slime plan"
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory plan: bytes of one GPU")
+    parser.add_argument("--host-memory-gib", type=float, default=None, help="memory plan: host memory of a node")
     args, unknown = parser.parse_known_args(argv)
     reject_unknown(parser, unknown)
     as_json = args.json
-    del args.json
+    capacity = {"gpu": int(args.gpu_memory_gib * 2**30), "host": args.host_memory_gib}
+    del args.json, args.gpu_memory_gib, args.host_memory_gib
     if args.rollout_batch_size is None:
         args.rollout_batch_size = 1
     if args.num_rollout is None and args.num_epoch is None:
@@ -40,6 +49,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, bool]:
             args.hf_checkpoint = stand_in
         validate_args(args, parser)
     args.hf_checkpoint = hf or "<--hf-checkpoint>"
+    args.plan_capacity = capacity
     return args, as_json
 
 
@@ -76,12 +86,73 @@ def render_table(plan: DeploymentPlan, source: str | None) -> str:
     return console.export_text()
 
 
+def memory_plans(args: argparse.Namespace) -> dict[str, MemoryPlan] | None:
+    """The memory plan under each offload policy ("none" too when offload is off), or None without a model shape
+    (no config.json at --hf-checkpoint) or without trainers (--debug-rollout-only)."""
+    if args.debug_rollout_only or not os.path.isfile(os.path.join(args.hf_checkpoint, "config.json")):
+        return None
+    from slime.backends.megatron.hf_config import read_hf_config
+    from slime.backends.megatron.roles import role_args
+    from slime.ray.train_actor import train_roles
+
+    actor = read_hf_config(role_args(args, "actor").hf_checkpoint)
+    critic = read_hf_config(role_args(args, "critic").hf_checkpoint) if "critic" in train_roles(args) else None
+    cap = args.plan_capacity
+    host = int(cap["host"] * 2**30) if cap["host"] is not None else None
+    selected = config_from_args(args, actor, critic, gpu_capacity=cap["gpu"], host_capacity=host)
+    policies = [selected.policy] + [p for p in ("v0.3.0", "legacy") if p != selected.policy]
+    return {p: build_memory_plan(dataclasses.replace(selected, policy=p)) for p in policies}
+
+
+def render_memory(plans: dict[str, MemoryPlan]) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=io.StringIO(), width=160, record=True, force_terminal=False)
+    selected = next(iter(plans))
+    base = plans[selected]
+    cfg = base.config
+    gib = 2**30
+    for stage in base.stages:
+        roles = ", ".join(f"{r} {st.params / 1e9:.3g}B params" for r, st in stage.roles.items())
+        title = (f"memory per rank, stage {stage.pp_rank} of {cfg.pp} ({cfg.tp * cfg.dp * cfg.cp} ranks: tp {cfg.tp} "
+                 f"dp {cfg.dp} cp {cfg.cp}); {roles}; GPU {cfg.gpu_capacity / gib:.0f} GiB")  # fmt: skip
+        t = Table(title=title)
+        t.add_column("phase")
+        t.add_column("GPU GiB", justify="right")
+        t.add_column("largest GPU buffers")
+        for p in plans:
+            t.add_column(f"host GiB, {p}{' (selected)' if p == selected else ''}", justify="right")
+        for u in stage.phases:
+            top = sorted(u.gpu.items(), key=lambda kv: -kv[1])[:3]
+            t.add_row(
+                u.phase, f"{u.gpu_total / gib:.2f}", ", ".join(f"{k} {v / gib:.2f}" for k, v in top if v),
+                *(f"{plans[p].stages[stage.pp_rank].phase(u.phase).host_total / gib:.2f}" for p in plans),
+            )  # fmt: skip
+        console.print(t)
+        peaks = [f"{p}: host {plans[p].stages[stage.pp_rank].peak_host / gib:.2f} GiB" for p in plans]
+        console.print(
+            f"peaks per rank: GPU {stage.peak_gpu / gib:.2f} GiB ({stage.peak_gpu_phase}); " + "; ".join(peaks)
+        )
+    if base.feasible:
+        console.print(f"feasible under {selected}: every phase fits")
+    for problem in base.problems:
+        console.print(f"DOES NOT FIT ({selected}): {problem}")
+    return console.export_text()
+
+
 def main(argv: list[str] | None = None) -> int:
     args, as_json = _parse(list(sys.argv[1:] if argv is None else argv))
     config = resolve_sglang_config(args)
     plan = build_plan(args, config)
+    memory = memory_plans(args)
     if as_json:
-        print(json.dumps({"source": config.source, **plan.to_dict()}, indent=2))
+        mem = None if memory is None else {"selected": next(iter(memory)), "policies": {p: m.to_dict() for p, m in memory.items()}}  # fmt: skip
+        print(json.dumps({"source": config.source, **plan.to_dict(), "memory": mem}, indent=2))
     else:
         sys.stdout.write(render_table(plan, config.source))
-    return 0
+        if memory is None:
+            sys.stdout.write("memory plan: needs the model's shape (config.json at --hf-checkpoint)\n")
+        else:
+            sys.stdout.write(render_memory(memory))
+    return 0 if memory is None or next(iter(memory.values())).feasible else 1

@@ -58,34 +58,30 @@ def train(args: Namespace) -> dict:
     import ray
 
     from slime.backends.megatron import checkpoint
+    from slime.backends.megatron.roles import role_args
     from slime.ray.placement import create_placement_group, init_ray
     from slime.ray.rollout_manager import RolloutManager
-    from slime.ray.train_actor import RayTrainGroup
+    from slime.ray.train_actor import TrainModels
     from slime.utils.tracking import Tracker, progress, step_line
 
+    actor_args = role_args(args, "actor")  # the actor's checkpoint dirs (--megatron-config may override them)
     init_ray(args)
     manager = None
     tracker = Tracker(args)
     summary: dict = {"hashes": {}, "metrics": {}, "server_info": None, "train_status": None}
     try:
         placement = create_placement_group(args)
-        resume = checkpoint.find_checkpoint(args.load)
         offload_rollout = args.offload_rollout and not (args.debug_train_only or args.debug_rollout_only)
         manager = ray.remote(RolloutManager).options(num_cpus=0.1, num_gpus=0).remote(args, placement)
-        actors = RayTrainGroup(args, placement)
-        # Engines and trainers start side by side when they do not share devices (colocated, SGLang sizes its
-        # memory pool from what is free at start-up, and the trainer builds only after the engines offload).
-        overlap = not (args.colocate or offload_rollout)
-        init_refs = actors.start_init(resume[1] if resume else None) if overlap else None
         summary["server_info"] = ray.get(manager.server_info.remote())
         os.makedirs(args.metrics_dir, exist_ok=True)
         with open(os.path.join(args.metrics_dir, "servers.json"), "w") as f:
             json.dump(summary["server_info"], f)  # lets operators (and tests) find the processes while running
         if offload_rollout:
             ray.get(manager.offload.remote())  # the trainer builds its model on the engines' GPUs next
-        if init_refs is None:
-            init_refs = actors.start_init(resume[1] if resume else None)
-        start = actors.wait_init(init_refs)
+        resume = checkpoint.find_checkpoint(actor_args.load)
+        actors = TrainModels(args, placement)  # the actor, and PPO's critic on the same GPUs
+        start = actors.init(resume)
         if resume is not None:
             ray.get(manager.load.remote(*resume))  # data source, its buffer, carried-over groups
             summary["resumed_from"] = resume[0]
@@ -114,10 +110,10 @@ def train(args: Namespace) -> dict:
             return out
 
         def save(rollout_id: int) -> None:
-            tmp = checkpoint.begin_save(args.save, rollout_id)
+            tmp = checkpoint.begin_save(actor_args.save, rollout_id)
             actors.save(tmp, rollout_id)
             ray.get(manager.save.remote(rollout_id, tmp))
-            checkpoint.finish_save(args.save, rollout_id, {"rollout_id": rollout_id, "time": time.time()})
+            checkpoint.finish_save(actor_args.save, rollout_id, {"rollout_id": rollout_id, "time": time.time()})
 
         last_eval: dict[str, float] = {}
 
@@ -149,12 +145,12 @@ def train(args: Namespace) -> dict:
                     hashes, train_metrics = actors.train(rollout_id, rank_refs)
                     summary["hashes"][rollout_id] = hashes
                     metrics.update(train_metrics)
-                if args.save and _should_save(args, rollout_id):
+                if actor_args.save and _should_save(actor_args, rollout_id):
                     t1 = time.perf_counter()
                     save(rollout_id)
                     metrics["time/save"] = time.perf_counter() - t1
-                if args.save_hf and _should_save(args, rollout_id):
-                    actors.save_hf(args.save_hf.format(rollout_id=rollout_id))
+                if actor_args.save_hf and _should_save(actor_args, rollout_id):
+                    actors.save_hf(actor_args.save_hf.format(rollout_id=rollout_id))
                 if sync_weights and rank_refs is not None:
                     due = (rollout_id + 1) % args.update_weights_interval == 0
                     metrics.update(sync_and_onload(rollout_id + 1 if due else None))

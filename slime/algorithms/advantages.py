@@ -102,6 +102,8 @@ def reinforce_plus_plus_baseline_rewards(
 def normalize_rewards_from_args(args: Any, samples: Sequence[Any]) -> list[float]:
     """The rollout-side reward post-processing of slime, keyed by prompt index (`Sample.group_index`)."""
     raw = [s.get_reward_value(args) for s in samples]
+    if args.advantage_estimator == "ppo":
+        return last_segment_rewards(raw, [s.train_group_id for s in samples], segment_reward=args.fan_out_reward)
     if args.advantage_estimator not in _NORMALISED_ESTIMATORS or args.disable_rewards_normalization:
         return raw
     std = (
@@ -117,6 +119,20 @@ def normalize_rewards_from_args(args: Any, samples: Sequence[Any]) -> list[float
         std_normalization=std,
         segment_reward=args.fan_out_reward,
     )
+
+
+def last_segment_rewards(
+    rewards: Sequence[float], group_ids: Sequence[int], *, segment_reward: str = "full"
+) -> list[float]:
+    """PPO: the trajectory's reward on its last segment (in batch order), 0 on its other segments.
+
+    GAE treats a fan-out group as one long sample (slime/algorithms/ppo.py), so the reward belongs once at the
+    end of the whole trajectory; giving every segment its own would count a `full` reward K times. A one-sample
+    trajectory keeps its reward unchanged.
+    """
+    traj = trajectory_rewards(rewards, group_ids, segment_reward=segment_reward)
+    last = {g: i for i, g in enumerate(group_ids)}
+    return [traj[g] if last[g] == i else 0.0 for i, g in enumerate(group_ids)]
 
 
 def expand_to_tokens(
@@ -266,7 +282,8 @@ def compute_advantages_and_returns(
         advantages = [r - kl_coef * k for r, k in zip(rewards, kl, strict=True)]
         returns = advantages
     elif estimator == "ppo":
-        raise NotImplementedError("advantage estimator 'ppo' (GAE with a critic) is not implemented yet")
+        # GAE chains a group's segments across micro-batches and ranks: it needs the rank's whole data at once
+        raise ValueError("ppo advantages are computed over the rank's whole data: slime.algorithms.ppo.ppo_advantages")
     else:
         raise ValueError(f"unknown advantage estimator {estimator!r}")
 

@@ -8,10 +8,6 @@ from slime.utils.errors import SlimeArgError
 
 # Flags whose features are not built yet; setting one is refused before Ray starts (slime/arguments.py).
 UNSUPPORTED = {
-    "value_clip": "PPO's value loss comes with the critic (--advantage-estimator ppo), not built yet",
-    "lambd": "GAE's lambda comes with the critic (--advantage-estimator ppo), not built yet",
-    "num_critic_only_steps": "the critic (--advantage-estimator ppo) is not built yet",
-    "megatron_config": "per-role Megatron overrides come with the critic, not built yet",
     "ref_ckpt_step": "--ref-load takes an HF checkpoint directory (no iterations to pick from)",
 }
 
@@ -38,7 +34,12 @@ def add_algorithm_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eps-clip", type=float, default=0.2)
     g.add_argument("--eps-clip-high", type=float, default=None)
     g.add_argument("--eps-clip-c", type=float, default=None)
-    g.add_argument("--value-clip", type=float, default=None, help="not supported yet (PPO)")
+    g.add_argument(
+        "--value-clip",
+        type=float,
+        default=0.2,
+        help="PPO: the critic's values move at most this far from the old values in the clipped value loss",
+    )
     g.add_argument("--kl-coef", type=float, default=0.0)
     g.add_argument("--use-kl-loss", action="store_true")
     g.add_argument("--kl-loss-coef", type=float, default=0.0)
@@ -54,7 +55,7 @@ def add_algorithm_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--entropy-coef", type=float, default=0.0)
     g.add_argument("--gamma", type=float, default=1.0)
-    g.add_argument("--lambd", type=float, default=None, help="not supported yet (PPO)")
+    g.add_argument("--lambd", type=float, default=1.0, help="GAE's λ (PPO)")
     g.add_argument("--normalize-advantages", action="store_true")
     g.add_argument("--disable-grpo-std-normalization", action="store_true")
     g.add_argument("--disable-rewards-normalization", action="store_true")
@@ -74,15 +75,33 @@ def add_algorithm_arguments(p: argparse.ArgumentParser) -> None:
         "only with --use-tis",
     )
     g.add_argument("--log-probs-chunk-size", type=int, default=-1)
-    g.add_argument("--num-critic-only-steps", type=int, default=None, help="not supported yet (PPO)")
     g.add_argument(
-        "--megatron-config", "--megatron-config-path", dest="megatron_config", default=None, help="not supported yet"
+        "--num-critic-only-steps",
+        type=int,
+        default=0,
+        help="PPO: for the first N rollouts only the critic trains (the actor's weights stay as they are)",
+    )
+    g.add_argument(
+        "--megatron-config",
+        "--megatron-config-path",
+        dest="megatron_config",
+        default=None,
+        help="YAML of per-role training overrides: megatron: [{name, role: actor|critic, overrides: {lr: ..}}]",
     )
 
 
 def validate_algorithm_args(args: argparse.Namespace) -> None:
     if args.advantage_estimator == "ppo":
-        raise SlimeArgError("--advantage-estimator ppo is not supported yet: the critic is not built")
+        if not (0.0 <= args.gamma <= 1.0 and 0.0 <= args.lambd <= 1.0):
+            raise SlimeArgError(f"--gamma and --lambd must lie in [0, 1], got {args.gamma} and {args.lambd}")
+        if args.value_clip <= 0:
+            raise SlimeArgError(f"--value-clip must be > 0, got {args.value_clip}")
+        if args.offload_train is None and not args.debug_rollout_only:
+            args.offload_train = True  # actor and critic time-share each GPU: one sleeps while the other trains
+    if args.num_critic_only_steps < 0:
+        raise SlimeArgError("--num-critic-only-steps must be >= 0")
+    if args.num_critic_only_steps and args.advantage_estimator != "ppo":
+        raise SlimeArgError("--num-critic-only-steps needs --advantage-estimator ppo (there is no critic otherwise)")
     if args.loss_type == "custom_loss" and not args.custom_loss_function_path:
         raise SlimeArgError("--loss-type custom_loss needs --custom-loss-function-path module.fn")
     if args.eps_clip_high is None:

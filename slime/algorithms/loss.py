@@ -211,7 +211,7 @@ def loss_function(
 
     `custom_loss` calls `--custom-loss-function-path` with slime's signature (args, batch, logits, reducer),
     where the reducer takes a list of per-sample tensors (our reducer) instead of slime's concatenated one.
-    The value loss comes with the PPO critic, which is not built yet.
+    The critic's value loss is its own micro-batch loss (`slime/backends/megatron/critic.py`).
     """
     loss_type = args.loss_type
     if loss_type == "policy_loss":

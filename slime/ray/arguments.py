@@ -20,6 +20,12 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--offload-train", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--offload-rollout", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument(
+        "--legacy-offload",
+        action="store_true",
+        help="--offload-train keeps a host copy of everything (params, grads, optimizer) while asleep, plus one more "
+        "copy of the params; the default keeps only the optimizer state and one pinned copy of the weights",
+    )
+    g.add_argument(
         "--train-env-vars",
         type=json_arg,
         default={},

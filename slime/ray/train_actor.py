@@ -30,9 +30,31 @@ from slime.utils.misc import load_function
 
 logger = logging.getLogger(__name__)
 
-TRAIN_ACTOR_GPU = 0.4
-# --train-backend -> the trainer class (one per training rank)
-TRAIN_BACKENDS = {"megatron": "slime.backends.megatron.trainer.MegatronTrainer"}
+TRAIN_ACTOR_GPU = 0.4  # actor + critic (PPO) + a colocated engine (0.2) fit one GPU bundle
+# --train-backend -> role -> the trainer class (one per training rank)
+TRAIN_BACKENDS = {
+    "megatron": {
+        "actor": "slime.backends.megatron.trainer.MegatronTrainer",
+        "critic": "slime.backends.megatron.critic.CriticTrainer",
+    }
+}
+
+
+def train_roles(args: Namespace) -> list[str]:
+    """The trained models, in creation order: PPO's critic first (as in slime), then the actor."""
+    if args.advantage_estimator == "ppo" and not args.debug_rollout_only:
+        return ["critic", "actor"]
+    return ["actor"]
+
+
+def train_gpu_requests(args: Namespace, num_bundles: int) -> dict[int, dict[str, float]]:
+    """{bundle: {role: fraction of its GPU}} the train actors ask Ray for: rank i of every role sits on bundle i.
+
+    The critic lives on the actor's bundles, so PPO needs no GPU that GRPO does not (time-shared through offload)."""
+    n = args.actor_num_nodes * args.actor_num_gpus_per_node
+    if args.debug_rollout_only:
+        n = min(n, num_bundles)
+    return {i: dict.fromkeys(train_roles(args), TRAIN_ACTOR_GPU) for i in range(n)}
 
 
 def hash_train_data(data: dict[str, Any]) -> str:
@@ -45,9 +67,11 @@ def hash_train_data(data: dict[str, Any]) -> str:
 
 
 class TrainRayActor:
-    def __init__(self, args: Namespace, rank: int, world_size: int) -> None:
-        self.log_path = configure_actor(args.log_level, args.metrics_dir, f"train_rank{rank}")
+    def __init__(self, args: Namespace, rank: int, world_size: int, role: str = "actor") -> None:
+        name = f"train_rank{rank}" if role == "actor" else f"{role}_rank{rank}"
+        self.log_path = configure_actor(args.log_level, args.metrics_dir, name)
         self.args = args
+        self.role = role
         self.rank = rank
         self.world_size = world_size
         self.node_ip = node_address()
@@ -76,25 +100,22 @@ class TrainRayActor:
             return start  # before any torch.distributed call: inference alone needs no process group
         from slime.backends.megatron.offload import TrainOffloader
 
-        trainer_cls = load_function(TRAIN_BACKENDS[self.args.train_backend])
-        self.offloader = TrainOffloader(bool(self.args.offload_train))
-        with self.offloader.memory_region():  # with torch_memory_saver: everything the trainer allocates pauses
-            self.trainer = trainer_cls(
-                self.args, self.rank, self.world_size, master_addr, master_port, node_ip=self.node_ip,
-                listen=self._listen,
-            )  # fmt: skip
-            if self.offloader.enabled:
-                from slime.backends.megatron.checkpoint import allocate_optimizer_state
-
-                allocate_optimizer_state(self.trainer.optimizer)  # Adam's moments, else created after the region
-        self.trainer.offloader = self.offloader
+        trainer_cls = load_function(TRAIN_BACKENDS[self.args.train_backend][self.role])
+        # with torch_memory_saver the trainer allocates into the offloader's regions (offload.py)
+        self.offloader = TrainOffloader(bool(self.args.offload_train), legacy=self.args.legacy_offload)
+        self.trainer = trainer_cls(
+            self.args, self.rank, self.world_size, master_addr, master_port, node_ip=self.node_ip,
+            listen=self._listen, offloader=self.offloader,
+        )  # fmt: skip
         if load_path:
             from slime.backends.megatron.checkpoint import load_trainer_state
 
-            meta = load_trainer_state(self.trainer, load_path)
+            with self.offloader.region("optimizer"):  # a loaded optimizer state may be new tensors
+                meta = load_trainer_state(self.trainer, load_path)
             if self.args.start_rollout_id is None:
                 start = int(meta["rollout_id"]) + 1
-        self.offloader.sleep(self.trainer.model)
+        self.offloader.attach(self.trainer.model, self.trainer.optimizer)
+        self.offloader.sleep()
         return start
 
     def status(self) -> dict[str, Any]:
@@ -114,20 +135,51 @@ class TrainRayActor:
             "env": {k: os.environ.get(k) for k in self.args.train_env_vars},  # --train-env-vars as the rank sees them
         }
 
-    def train(self, rollout_id: int, rank_data_refs: list[Any]) -> tuple[str | None, dict[str, float]]:
+    def train(
+        self, rollout_id: int, rank_data_refs: list[Any], values: list[list[float]] | None = None
+    ) -> tuple[str | None, dict[str, float]]:
+        """One rollout on this rank; `values` (PPO): the critic's old values from the critic rank of this rank."""
         if self.args.debug_rollout_only:
             return None, {}
+        data = self._rank_data(rollout_id, rank_data_refs)
+        self.offloader.wake_up()
+        metrics = self.trainer.train(rollout_id, data, values)
+        self.offloader.sleep()
+        return self.hashes[rollout_id], {**metrics, **self._memory_metrics()}
+
+    def train_critic(
+        self, rollout_id: int, rank_data_refs: list[Any]
+    ) -> tuple[tuple[str, dict[str, float]], list[list[float]]]:
+        """The critic's rollout (called with `num_returns=2`): the values ref goes straight to actor rank i."""
+        data = self._rank_data(rollout_id, rank_data_refs)
+        self.offloader.wake_up()
+        metrics, values = self.trainer.train(rollout_id, data)
+        self.offloader.sleep()
+        return (self.hashes[rollout_id], {**metrics, **self._memory_metrics()}), values
+
+    def _memory_metrics(self) -> dict[str, float]:
+        """The sleeping trainer's host footprint as the ledger books it and as the OS sees it (offload.py)."""
+        if not self.offloader.enabled:
+            return {}
+        rep = self.offloader.memory_report()
+        params = sum(p.numel() for p in self.trainer.model.parameters())
+        return {
+            f"memory/{self.role}_host_asleep_bytes": float(sum(rep["host"].values())),
+            f"memory/{self.role}_host_rss_asleep_bytes": float(rep["rss_asleep"]),
+            f"memory/{self.role}_host_pinned_asleep_bytes": float(rep["pinned"]),
+            f"memory/{self.role}_params": float(params),
+        }
+
+    def _rank_data(self, rollout_id: int, rank_data_refs: list[Any]) -> dict[str, Any]:
         data = ray.get(rank_data_refs[self.trainer.ps.rank("dp")])
         digest = hash_train_data(data)
         self.hashes[rollout_id] = digest
         self.num_samples[rollout_id] = len(data.get("tokens", []))
         logger.info(
-            "rank %d rollout %d: %d samples, hash %s", self.rank, rollout_id, self.num_samples[rollout_id], digest[:12]
-        )
-        self.offloader.wake_up(self.trainer.model)
-        metrics = self.trainer.train(rollout_id, data)
-        self.offloader.sleep(self.trainer.model)
-        return digest, metrics
+            "%s rank %d rollout %d: %d samples, hash %s",
+            self.role, self.rank, rollout_id, self.num_samples[rollout_id], digest[:12],
+        )  # fmt: skip
+        return data
 
     def update_weights(self, engines: list[dict[str, Any]], weight_version: int) -> dict[str, float]:
         """Every rank exports (a TP collective) and takes part; see the two transports' modules.
@@ -213,9 +265,9 @@ class TrainRayActor:
         from slime.backends.megatron.initialize import run_custom_megatron_init
 
         run_custom_megatron_init(self.args)
-        self.offloader.wake_up(self.trainer.model)
+        self.offloader.wake_up()
         save_trainer_state(self.trainer, path, rollout_id)
-        self.offloader.sleep(self.trainer.model)
+        self.offloader.sleep()
 
     def offload_events(self) -> list[tuple[float, str]]:
         return list(self.offloader.events) if self.offloader is not None else []
@@ -228,9 +280,9 @@ class TrainRayActor:
             from slime.backends.megatron.initialize import run_custom_megatron_init
 
             run_custom_megatron_init(self.args)
-            self.offloader.wake_up(self.trainer.model)
+            self.offloader.wake_up()
             self.trainer.save_hf(path)
-            self.offloader.sleep(self.trainer.model)
+            self.offloader.sleep()
 
     def parallel_config(self) -> dict[str, int]:
         if self.trainer is None:  # --debug-rollout-only: nothing trains, any layout will do
@@ -246,40 +298,43 @@ class TrainRayActor:
 
 
 class RayTrainGroup:
-    """`actor_num_nodes * actor_num_gpus_per_node` train actors on the first bundles of the placement group."""
+    """One role's `actor_num_nodes * actor_num_gpus_per_node` train actors, rank i on logical GPU i."""
 
-    def __init__(self, args: Namespace, placement: Placement) -> None:
+    def __init__(self, args: Namespace, placement: Placement, role: str = "actor") -> None:
         self.args = args
-        n = args.actor_num_nodes * args.actor_num_gpus_per_node
-        if args.debug_rollout_only:
-            n = min(n, len(placement.bundle_indices))
+        self.role = role
+        requests = train_gpu_requests(args, len(placement.bundle_indices))
+        n = len(requests)
         cls = ray.remote(TrainRayActor)
         env = {"env_vars": dict(args.train_env_vars)} if args.train_env_vars else None
         self.actors = [
             cls.options(
-                num_gpus=TRAIN_ACTOR_GPU, num_cpus=0.01, scheduling_strategy=placement.strategy(i), runtime_env=env
-            ).remote(args, i, n)
+                num_gpus=requests[i][role], num_cpus=0.01, scheduling_strategy=placement.strategy(i), runtime_env=env
+            ).remote(args, i, n, role)
             for i in range(n)
         ]
 
     def init(self, load_path: str | None = None) -> int:
-        return self.wait_init(self.start_init(load_path))
-
-    def start_init(self, load_path: str | None = None) -> list[Any]:
-        """Rank 0 picks the rendezvous on its node; every rank joins there and builds its trainer. Returns at
-        once, so the driver can start the engines while the trainers build (`wait_init` collects)."""
+        """Rank 0 picks the rendezvous on its node; every rank joins there and builds its trainer."""
         master_addr, master_port = ray.get(self.actors[0].rendezvous_address.remote())
-        return [a.init.remote(master_addr, master_port, load_path) for a in self.actors]
+        starts = ray.get([a.init.remote(master_addr, master_port, load_path) for a in self.actors])
+        return starts[0]
 
-    @staticmethod
-    def wait_init(refs: list[Any]) -> int:
-        """The rollout id to start from (every rank agrees; rank 0's answer is returned)."""
-        return ray.get(refs)[0]
-
-    def train(self, rollout_id: int, rank_data_refs: list[Any]) -> tuple[list[str | None], dict[str, float]]:
-        """Returns every rank's data hash and rank 0's step metrics (already reduced over dp×cp)."""
-        out = ray.get([a.train.remote(rollout_id, rank_data_refs) for a in self.actors])
+    def train(
+        self, rollout_id: int, rank_data_refs: list[Any], values: list[Any] | None = None
+    ) -> tuple[list[str | None], dict[str, float]]:
+        """Returns every rank's data hash and rank 0's step metrics (already reduced over dp×cp). `values`: one
+        Ray ref per rank (the critic's), resolved by Ray on the way to that rank, never through the driver."""
+        out = ray.get([
+            a.train.remote(rollout_id, rank_data_refs, values[i] if values is not None else None)
+            for i, a in enumerate(self.actors)
+        ])  # fmt: skip
         return [h for h, _ in out], out[0][1]
+
+    def train_critic(self, rollout_id: int, rank_data_refs: list[Any]) -> tuple[list[Any], list[Any]]:
+        """Start every critic rank; returns (per-rank refs of (hash, metrics), per-rank refs of old values)."""
+        pairs = [a.train_critic.options(num_returns=2).remote(rollout_id, rank_data_refs) for a in self.actors]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
 
     def update_weights(self, engines: list[dict[str, Any]], weight_version: int) -> dict[str, float]:
         out = ray.get([a.update_weights.remote(engines, weight_version) for a in self.actors])
@@ -306,3 +361,86 @@ class RayTrainGroup:
 
     def parallel_config(self) -> dict[str, int]:
         return ray.get(self.actors[0].parallel_config.remote())
+
+
+class TrainModels:
+    """What the driver trains: the actor group and, with PPO, the critic group on the same GPU bundles.
+
+    Each role runs on its own copy of the args (`--megatron-config`, slime/backends/megatron/roles.py). Per
+    rollout the critic goes first (old values, then its value-loss steps); its per-rank value refs are handed to
+    the actor ranks of the same index. For the first `--num-critic-only-steps` rollouts the actor does not train
+    (its weights stay as they are and are still synced). The critic checkpoints into its own directory, before
+    the actor, so a complete actor checkpoint always has its critic.
+    """
+
+    def __init__(self, args: Namespace, placement: Placement) -> None:
+        from slime.backends.megatron.roles import role_args
+
+        self.args = args
+        self.actor_args = role_args(args, "actor")
+        self.critic_args = role_args(args, "critic") if "critic" in train_roles(args) else None
+        self.critic = RayTrainGroup(self.critic_args, placement, "critic") if self.critic_args else None
+        self.actor = RayTrainGroup(self.actor_args, placement, "actor")
+
+    def init(self, resume: tuple[int, str] | None) -> int:
+        """Build (and resume) every role; returns the first rollout id, as the actor's checkpoint says."""
+        if self.critic is not None:
+            self.critic.init(self._critic_resume(resume))
+        return self.actor.init(resume[1] if resume else None)
+
+    def _critic_resume(self, resume: tuple[int, str] | None) -> str | None:
+        """The actor's rollout when it resumes (the critic must have it), else the critic dir's newest, if any."""
+        from slime.backends.megatron import checkpoint
+
+        assert self.critic_args is not None
+        root = self.critic_args.load
+        if resume is None:
+            found = checkpoint.find_checkpoint(root)
+            return found[1] if found else None
+        path = checkpoint.iter_dir(root, resume[0]) if root else None
+        if path is None or not os.path.isfile(os.path.join(path, checkpoint.MARKER)):
+            raise RuntimeError(
+                f"the actor resumes from rollout {resume[0]} but the critic has no complete checkpoint of it in "
+                f"{root} (--critic-load, default critic/ under --load)"
+            )
+        return path
+
+    def train(self, rollout_id: int, rank_data_refs: list[Any]) -> tuple[list[str | None], dict[str, float]]:
+        if self.critic is None:
+            return self.actor.train(rollout_id, rank_data_refs)
+        stat_refs, value_refs = self.critic.train_critic(rollout_id, rank_data_refs)
+        stats = ray.get(stat_refs)
+        metrics = dict(stats[0][1])
+        if rollout_id < self.args.num_critic_only_steps:
+            metrics["train/critic_only"] = 1.0
+            return [h for h, _ in stats], metrics
+        hashes, actor_metrics = self.actor.train(rollout_id, rank_data_refs, value_refs)
+        return hashes, {**metrics, **actor_metrics}
+
+    def save(self, path: str, rollout_id: int) -> None:
+        """The critic's checkpoint (complete, in its own dir) first, then the actor's shards into `path`."""
+        if self.critic is not None:
+            from slime.backends.megatron import checkpoint
+
+            assert self.critic_args is not None
+            root = self.critic_args.save
+            if root:
+                tmp = checkpoint.begin_save(root, rollout_id)
+                self.critic.save(tmp, rollout_id)
+                checkpoint.finish_save(root, rollout_id, {"rollout_id": rollout_id, "role": "critic"})
+        self.actor.save(path, rollout_id)
+
+    def update_weights(self, engines: list[dict[str, Any]], weight_version: int) -> dict[str, float]:
+        return self.actor.update_weights(engines, weight_version)
+
+    def status(self) -> list[dict[str, Any]]:
+        return self.actor.status()
+
+    def save_hf(self, path: str) -> None:
+        self.actor.save_hf(path)
+
+    def offload_events(self) -> list[tuple[float, str]]:
+        return self.actor.offload_events()
+
+    def parallel_config(self) -> dict[str, int]:
+        return self.actor.parallel_config()

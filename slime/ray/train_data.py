@@ -7,8 +7,9 @@ DP schedule is built and each rank receives exactly its samples plus the per-ste
 
 The train-data dict (what a train rank receives; `docs/architecture.md` shows it): per-sample lists
 `tokens`, `response_lengths`, `total_lengths`, `loss_masks`, `group_mask_sums`, `rewards`, `raw_reward`,
-`truncated`, `sample_indices`, `group_ids`, `origin_rollout_ids`, optional `rollout_log_probs` and `metadata`
-(plus any other per-sample list a custom conversion adds), and the schedule: `micro_batch_indices` (this
+`truncated`, `sample_indices`, `group_ids`, `origin_rollout_ids`, `batch_positions` (index in the rollout's
+train batch) and `next_segments` (the batch position of the same group's next segment, -1 if none), optional
+`rollout_log_probs` and `metadata` (plus any other per-sample list a custom conversion adds), and the schedule: `micro_batch_indices` (this
 rank's micro-batches as indices into the lists), `num_microbatches` and `global_batch_sizes` per step.
 """
 
@@ -112,9 +113,18 @@ def _rank_data(batch: TrainBatch, schedule: Schedule, rank: int) -> dict[str, An
         sums = group_mask_sums([values["loss_masks"][i] for i in step_idx], [group_ids[i] for i in step_idx])
         for i, d in zip(step_idx, sums, strict=True):
             denoms[i] = d
+    # A fan-out group's next segment in batch order: PPO's GAE chains segments as one long sample (algorithms/ppo.py).
+    next_segment = [-1] * len(batch.samples)
+    last_of: dict[int, int] = {}
+    for i, g in enumerate(group_ids):
+        if g in last_of:
+            next_segment[last_of[g]] = i
+        last_of[g] = i
     data: dict[str, Any] = {key: [column[i] for i in idx] for key, column in values.items()}
     data.update(
         total_lengths=[len(values["tokens"][i]) for i in idx],
+        batch_positions=list(idx),
+        next_segments=[next_segment[i] for i in idx],
         group_mask_sums=[denoms[i] for i in idx],
         group_ids=[group_ids[i] for i in idx],
         origin_rollout_ids=[batch.origin_rollout_ids[i] for i in idx],

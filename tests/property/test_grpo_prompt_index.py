@@ -116,5 +116,8 @@ def test_from_args_reads_estimator_flags(make_args: Callable[..., Any]):
     assert out[4] == 0.0  # a prompt with a single trajectory has no spread
     args.disable_rewards_normalization = True
     assert normalize_rewards_from_args(args, samples) == [1.0, 1.0, 1.0, 0.0, 5.0]
-    args = make_args(advantage_estimator="ppo")
+    args = make_args(advantage_estimator="reinforce_plus_plus")
     assert normalize_rewards_from_args(args, samples) == [1.0, 1.0, 1.0, 0.0, 5.0]
+    # PPO: a fan-out trajectory is one long sample for GAE, its reward on its last segment only
+    args = make_args(advantage_estimator="ppo")
+    assert normalize_rewards_from_args(args, samples) == [1.0, 0.0, 1.0, 0.0, 5.0]

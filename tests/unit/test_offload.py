@@ -1,7 +1,9 @@
-"""The train side of the colocated offload protocol on CPU: no memory moves, but a real, recorded call sequence.
+"""The train side of the offload protocol on CPU: real release and restore of params and grads, the recorded call
+order, and the byte ledger of both policies (slime/backends/megatron/offload.py).
 
 The engine side and the interleaving of both (release after rollout, weights before the sync, KV after) are
-checked on a full colocated run in tests/integration/test_resume.py.
+checked on a full colocated run in tests/integration/test_resume.py; a real megatron trainer's ledger in
+tests/unit/test_ppo_trainer.py.
 """
 
 from __future__ import annotations
@@ -14,46 +16,88 @@ from slime.backends.megatron.offload import TrainOffloader
 pytestmark = pytest.mark.cpu
 
 
+class _Model(torch.nn.Module):
+    """Two params and a megatron-style grad buffer (`main_grad` views of one storage, as DDP makes them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.randn(3, 2))
+        self.b = torch.nn.Parameter(torch.randn(4))
+        buf = torch.zeros(10)
+        self.a.main_grad = buf[:6].view(3, 2)
+        self.b.main_grad = buf[6:]
+
+
+def _setup(legacy: bool):
+    model = _Model()
+    opt = torch.optim.Adam(model.parameters())
+    for p in model.parameters():
+        opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    off = TrainOffloader(enabled=True, legacy=legacy)
+    off.attach(model, opt)
+    return model, off
+
+
 def test_disabled_offloader_does_nothing():
-    model = torch.nn.Linear(2, 2)
+    model, _ = _setup(False)
     off = TrainOffloader(enabled=False)
-    with off.memory_region():
+    off.attach(model, torch.optim.Adam(model.parameters()))
+    with off.region("model"):
         pass
-    off.sleep(model)
+    off.sleep()
     off.note("update_weights")
-    assert not off.asleep and off.events == []
+    assert not off.asleep and off.events == [] and off.calls == []
+    assert model.a.untyped_storage().nbytes() == 24
 
 
-def test_cpu_offloader_records_the_sequence_and_is_idempotent():
-    model = torch.nn.Linear(3, 2)
+def test_default_policy_releases_params_and_grads_and_restores_from_the_host_copy():
+    model, off = _setup(legacy=False)
+    assert off.backend == "cpu"  # no CUDA here: torch_memory_saver is never used
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    off = TrainOffloader(enabled=True)
-    assert off.backend == "noop"  # no CUDA here: torch_memory_saver is never used
-    with off.memory_region():
-        model2 = torch.nn.Linear(1, 1)  # allocations inside the region are ordinary on CPU
-    assert model2.weight.numel() == 1
-    off.sleep(model)
-    off.sleep(model)  # a second sleep is a no-op (the driver may ask twice)
-    assert off.asleep
-    exported = off.named_params_for_export(model)  # asleep on CPU: the live parameters (nothing was freed)
-    assert [n for n, _ in exported] == ["weight", "bias"] and exported[0][1] is model.weight
+    model.a.main_grad.fill_(3.0)
+    off.sleep()
+    off.sleep()  # a second sleep is a no-op (the driver may ask twice)
+    assert off.asleep and off.calls == ["copy_params_to_pinned", "release:grads", "release:params", "pause:optimizer"]
+    assert model.a.untyped_storage().nbytes() == 0 and model.a.main_grad.untyped_storage().nbytes() == 0
+    exported = dict(off.named_params_for_export(model))  # what weight sync reads while asleep
+    assert torch.equal(exported["a"], before["a"]) and exported["a"].untyped_storage().nbytes() == 24
+    # asleep, the host holds the weights once (4 B/param in fp32) and the optimizer state (the backup)
+    assert off.ledger.host == {"params": 0, "grads": 0, "optimizer": 80, "weights_copy": 40}
+    assert off.ledger.device == {"params": 0, "grads": 0, "optimizer": 0, "weights_copy": 0}
     off.note("update_weights")
-    off.wake_up(model)
-    off.wake_up(model)
-    assert [name for _, name in off.events] == ["sleep", "update_weights", "wake_up"]
-    times = [t for t, _ in off.events]
-    assert times == sorted(times)
+    off.wake_up()
+    off.wake_up()
+    assert off.calls[4:] == ["resume:optimizer", "restore_params", "zero_grads"]
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert torch.equal(model.a.main_grad, torch.zeros(3, 2))  # grads come back zeroed: no copy was kept
+    assert off.ledger.host["weights_copy"] == 40  # the pinned copy is made once and kept for the next sleeps
+    assert [name for _, name in off.events] == ["sleep", "update_weights", "wake_up"]
+    assert exported["a"] is off.host_weights["a"]
+    off.sleep()
+    assert off.ledger.host["weights_copy"] == 40  # refreshed in place, not a second copy
 
 
-def test_host_copy_is_what_weight_sync_reads_while_asleep():
-    """With a memory saver the parameters are gone while asleep; export must read the host copy instead."""
-    model = torch.nn.Linear(2, 2)
-    off = TrainOffloader(enabled=True)
-    off.asleep = True
-    off.param_backup = {n: torch.full_like(p, 7.0) for n, p in model.named_parameters()}
-    exported = dict(off.named_params_for_export(model))
-    assert torch.equal(exported["weight"], torch.full((2, 2), 7.0))
+def test_legacy_policy_books_everything_plus_one_more_copy():
+    model, off = _setup(legacy=True)
+    with torch.no_grad():
+        model.b.add_(1.0)
+    off.sleep()
+    assert off.calls == ["copy_params_unpinned", "pause:train"]
+    assert off.ledger.host == {"params": 40, "grads": 40, "optimizer": 80, "weights_copy": 40}
+    assert torch.equal(dict(off.named_params_for_export(model))["b"], model.b.detach())
+    off.wake_up()
+    assert off.calls[2:] == ["resume:train", "restore_params"] and off.host_weights is None
+    assert off.ledger.host == dict.fromkeys(("params", "grads", "optimizer", "weights_copy"), 0)
+
+
+def test_saving_is_param_bytes_plus_fp32_grad_per_param():
+    host = {}
+    for legacy in (False, True):
+        _, off = _setup(legacy)
+        off.sleep()
+        host[legacy] = off.ledger.totals()["host"]
+    numel = 10
+    assert host[True] - host[False] == (4 + 4) * numel  # fp32 here: p = 4; with bf16 it is 2 + 4 = 6 B/param
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +122,5 @@ def test_weight_sync_mode_follows_placement(hf_dir):
     with pytest.raises(SlimeArgError, match="engines on their own GPUs"):
         _args("--colocate", "--update-weight-mode", "distributed")
     assert not _args("--colocate", "--no-offload-train").offload_train
+    # PPO time-shares each GPU between actor and critic: offload is on unless asked off
+    assert _args("--rollout-num-gpus", "2", "--advantage-estimator", "ppo").offload_train

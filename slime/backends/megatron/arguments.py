@@ -52,6 +52,14 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--load", default=None, help="checkpoint dir to resume from (no tracker file there: start fresh)")
     g.add_argument("--save", default=None, help="checkpoint dir: iter_XXXXXXX/ per save, tracker file written last")
+    g.add_argument(
+        "--critic-load",
+        default=None,
+        help="PPO: checkpoint dir the critic resumes from (default: critic/ under --load)",
+    )
+    g.add_argument(
+        "--critic-save", default=None, help="PPO: checkpoint dir of the critic (default: critic/ under --save)"
+    )
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-load-optim", action="store_true", help="resume model weights only (fresh optimizer)")

@@ -116,7 +116,7 @@ def layer_offset(model: Any) -> int:
     return int(get_transformer_layer_offset(model.config, vp_stage=getattr(model, "vp_stage", None)))
 
 
-class _HFReader:
+class HFReader:
     """Lazy tensor access over `model.safetensors` or a sharded `model.safetensors.index.json` checkpoint."""
 
     def __init__(self, hf_dir: str | os.PathLike) -> None:
@@ -150,7 +150,7 @@ class _HFReader:
 
 
 def _hf_shard_for(
-    name: str, reader: _HFReader, spec: HFModelSpec, tp_size: int, tp_rank: int, offset: int
+    name: str, reader: HFReader, spec: HFModelSpec, tp_size: int, tp_rank: int, offset: int
 ) -> torch.Tensor:
     """The HF-derived tensor for mcore parameter `name` (local layer index), as this TP rank's shard."""
     m = _LAYER.match(name)
@@ -179,14 +179,25 @@ def _hf_shard_for(
 
 
 @torch.no_grad()
-def load_hf_weights(models: Any | list[Any], hf_dir: str | os.PathLike, spec: HFModelSpec, ps: ParallelState) -> None:
-    """Copy the HF checkpoint into every parameter of this rank's model chunk(s); fail if any is unmatched."""
-    reader = _HFReader(hf_dir)
+def load_hf_weights(
+    models: Any | list[Any],
+    hf_dir: str | os.PathLike,
+    spec: HFModelSpec,
+    ps: ParallelState,
+    *,
+    skip_prefixes: tuple[str, ...] = (),
+) -> None:
+    """Copy the HF checkpoint into every parameter of this rank's model chunk(s); fail if any is unmatched.
+
+    Parameters under `skip_prefixes` are left alone (the critic's value head, which the caller fills)."""
+    reader = HFReader(hf_dir)
     tp_size, tp_rank = ps.size("tp"), ps.rank("tp")
     for model in models if isinstance(models, list) else [models]:
         model = unwrap_model(model)
         offset = layer_offset(model)
         for name, param in model.named_parameters():
+            if name.startswith(skip_prefixes):
+                continue
             shard = _hf_shard_for(name, reader, spec, tp_size, tp_rank, offset)
             if tuple(shard.shape) != tuple(param.shape):
                 raise ValueError(f"{name}: HF gives shape {tuple(shard.shape)}, model has {tuple(param.shape)}")

@@ -60,10 +60,12 @@ def build_gpt_model(
     post_process: bool | None = None,
     vp_stage: int | None = None,
     config: TransformerConfig | None = None,
+    share_embeddings: bool | None = None,
 ) -> GPTModel:
     """This rank's part of the model (TP shard, PP stage). Needs megatron's parallel state initialised.
 
-    `parallel_output=True`: logits stay vocab-parallel ([.., padded_vocab / tp]) as megatron's vocab-parallel
+    `share_embeddings` overrides the checkpoint's `tie_word_embeddings` (the critic unties: its output layer is
+    replaced by a value head). `parallel_output=True`: logits stay vocab-parallel ([.., padded_vocab / tp]) as megatron's vocab-parallel
     cross-entropy expects; gather them over the TP group to see the whole vocabulary.
     """
     spec = spec or read_hf_config(args.hf_checkpoint)
@@ -80,7 +82,7 @@ def build_gpt_model(
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=True,
-        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings if share_embeddings is None else share_embeddings,
         position_embedding_type="rope",
         rotary_base=spec.rope_theta,
         vp_stage=vp_stage,

@@ -18,14 +18,17 @@ from typing import Any
 
 import torch
 
-from slime.algorithms.advantages import compute_advantages_and_returns
+from slime.algorithms.advantages import compute_advantages_and_returns, distributed_masked_whiten
 from slime.algorithms.logprobs import packed_response_logprobs_and_entropy
 from slime.algorithms.loss import loss_function
+from slime.algorithms.ppo import ppo_advantages
 from slime.algorithms.reducers import reduce_train_metrics, scale_for_megatron
+from slime.backends.megatron.checkpoint import allocate_optimizer_state
 from slime.backends.megatron.hf_config import read_hf_config
 from slime.backends.megatron.hf_weights import export_hf_weights, load_hf_weights, unwrap_model
 from slime.backends.megatron.initialize import init_distributed, init_megatron, run_custom_megatron_init
 from slime.backends.megatron.model_provider import build_gpt_model, mask_padded_vocab
+from slime.backends.megatron.offload import PhaseMemory, no_region
 from slime.backends.megatron.packing import PackedBatch, pack_samples
 from slime.utils.misc import load_function
 
@@ -39,6 +42,8 @@ def _device() -> torch.device:
 
 
 class MegatronTrainer:
+    metric_prefix = "train/"
+
     def __init__(
         self,
         args: Namespace,
@@ -49,6 +54,7 @@ class MegatronTrainer:
         *,
         node_ip: str | None = None,
         listen: Any = None,
+        offloader: Any = None,
     ) -> None:
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -59,41 +65,46 @@ class MegatronTrainer:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         self.args = args
+        self.offloader = offloader  # offload.py, set up by the train actor; None: never asleep
+        region = offloader.region if offloader is not None else no_region
         init_distributed(args, rank, world_size, master_addr, master_port, node_ip=node_ip, listen=listen)
         self.ps = init_megatron(args)
         self.spec = read_hf_config(args.hf_checkpoint)
-        model = build_gpt_model(args, self.spec)
-        if torch.cuda.is_available():
-            model = model.cuda()
-        load_hf_weights(model, args.hf_checkpoint, self.spec, self.ps)
-        config = model.config
         # On CPU the distributed optimizer needs the shim's Tensor.type() opt-in (docs/megatron_contract.md).
         distributed_optimizer = args.use_distributed_optimizer
         if distributed_optimizer is None:
             distributed_optimizer = torch.cuda.is_available()
-        self.model = DistributedDataParallel(
-            config=config,
-            ddp_config=DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
-            ),
-            module=model,
-        )
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=args.lr,
-                min_lr=args.min_lr,
-                weight_decay=args.weight_decay,
-                adam_beta1=args.adam_beta1,
-                adam_beta2=args.adam_beta2,
-                adam_eps=args.adam_eps,
-                clip_grad=args.clip_grad,
-                bf16=args.bf16,
-                params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
-                use_distributed_optimizer=distributed_optimizer,
-            ),
-            [self.model],
-        )
+        with region("model"):  # the model and its DDP param/grad buffers
+            model = self._build_model()
+            config = model.config
+            self.model = DistributedDataParallel(
+                config=config,
+                ddp_config=DistributedDataParallelConfig(
+                    grad_reduce_in_fp32=True,
+                    overlap_grad_reduce=False,
+                    use_distributed_optimizer=distributed_optimizer,
+                ),
+                module=model,
+            )
+        with region("optimizer"):  # fp32 master params and Adam's moments
+            self.optimizer = get_megatron_optimizer(
+                OptimizerConfig(
+                    optimizer="adam",
+                    lr=args.lr,
+                    min_lr=args.min_lr,
+                    weight_decay=args.weight_decay,
+                    adam_beta1=args.adam_beta1,
+                    adam_beta2=args.adam_beta2,
+                    adam_eps=args.adam_eps,
+                    clip_grad=args.clip_grad,
+                    bf16=args.bf16,
+                    params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+                    use_distributed_optimizer=distributed_optimizer,
+                ),
+                [self.model],
+            )
+            if offloader is not None and offloader.enabled:
+                allocate_optimizer_state(self.optimizer)  # Adam's moments now (inside the region), not at step 1
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
         config.variable_seq_lengths = True
@@ -135,10 +146,23 @@ class MegatronTrainer:
         }
         self.weight_version = 0
         self.train_step_id = 0
-        self.offloader: Any = None  # set by the train actor (offload.py); None: never asleep
+
+    def _build_model(self) -> Any:
+        """This rank's GPTModel with the HF checkpoint's weights (the critic replaces it: critic.py)."""
+        model = build_gpt_model(self.args, self.spec)
+        if torch.cuda.is_available():
+            model = model.cuda()
+        load_hf_weights(model, self.args.hf_checkpoint, self.spec, self.ps)
+        return model
 
     # ---- forward helpers ------------------------------------------------------------------------------------
     def _forward_logits(self, mb: dict[str, Any]) -> tuple[torch.Tensor, PackedBatch]:
+        packed = self._pack(mb)
+        logits = self.model(packed.tokens, packed.position_ids, None, packed_seq_params=packed.packed_seq_params)
+        return mask_padded_vocab(logits[0], self.spec.vocab_size, self.ps.rank("tp")), packed
+
+    def _pack(self, mb: dict[str, Any]) -> PackedBatch:
+        """The micro-batch as one THD row (an empty micro-batch runs one dummy token, to join the schedule)."""
         tokens = mb["tokens"] if mb["tokens"] else [[0]]
         prompts = None
         if self.args.share_prompt_prefix and mb["tokens"] and "response_lengths" in mb:
@@ -146,8 +170,7 @@ class MegatronTrainer:
         packed = pack_samples(tokens, pad_multiple=self.pad_multiple, device=_device(), prompt_lengths=prompts)
         if mb["tokens"] and "total_lengths" in mb and packed.lengths != list(mb["total_lengths"]):
             raise ValueError(f"micro-batch token counts {packed.lengths} differ from total_lengths")
-        logits = self.model(packed.tokens, packed.position_ids, None, packed_seq_params=packed.packed_seq_params)
-        return mask_padded_vocab(logits[0], self.spec.vocab_size, self.ps.rank("tp")), packed
+        return packed
 
     def _logprobs(self, logits: torch.Tensor, mb: dict[str, Any], packed: PackedBatch, with_entropy: bool):
         return packed_response_logprobs_and_entropy(
@@ -226,12 +249,23 @@ class MegatronTrainer:
         return saved
 
     # ---- the RL step ----------------------------------------------------------------------------------------
-    def train(self, rollout_id: int, data: dict[str, Any]) -> dict[str, float]:
+    def train(
+        self, rollout_id: int, data: dict[str, Any], values: list[list[float]] | None = None
+    ) -> dict[str, float]:
+        """One rollout's optimizer steps. `values` (PPO): the critic's old values of this rank's samples, in
+        train-data order, from the critic worker of the same rank."""
         run_custom_megatron_init(self.args)  # the CPU shim's torch mode is per thread; cheap when repeated
         args = self.args
         timings: dict[str, float] = {}
+        memory = PhaseMemory()
         t0 = time.perf_counter()
         mbs = self._microbatches(data)
+        ppo = args.advantage_estimator == "ppo"
+        if ppo:
+            if values is None:
+                raise ValueError("--advantage-estimator ppo: the actor needs the critic's values")
+            for mb in mbs:
+                mb["values"] = [torch.tensor(values[i], dtype=torch.float32, device=_device()) for i in mb["indices"]]
         # sft_loss reads only the live forward's log-probs, so the old-policy pass would be a wasted forward.
         needs_old = args.loss_type != "sft_loss"
         recompute = needs_old and (not args.use_rollout_logprobs or args.get_mismatch_metrics)
@@ -247,33 +281,24 @@ class MegatronTrainer:
             self._compute_logprobs(mbs, "ref_log_probs", store_prefix="ref_")
             self._swap_params(actor)
         timings["time/log_probs"] = time.perf_counter() - t0
+        memory.end("actor_log_probs")
         for mb in mbs:
             self._prepare_batch(mb)
+        if ppo and not args.custom_advantage_function_path and not args.disable_compute_advantages_and_returns:
+            self._rank_advantages(mbs, data)
         if "postprocess" in self._hooks:
             self._postprocess(rollout_id, data, mbs)
         metrics: dict[str, float] = {}
         if "rollout_log_probs" in data and recompute:
             # the mean train_rollout_logprob_abs_diff hides one wrong position; the max over trained tokens does not
             metrics["train/train_rollout_logprob_abs_diff_max"] = self._max_rollout_logprob_diff(mbs)
-        step_start = 0
         t1 = time.perf_counter()
-        num_tokens = 0
-        for step, n_mb in enumerate(data["num_microbatches"]):
-            step_mbs = mbs[step_start : step_start + n_mb]
-            step_start += n_mb
-            b = data["global_batch_sizes"][step]
-            if "before_train_step" in self._hooks:
-                self._hooks["before_train_step"](args, rollout_id, step, [self.model], self.optimizer, self.scheduler)
-            step_metrics = self._optimizer_step(step_mbs, b)
-            num_tokens += sum(sum(mb["total_lengths"]) for mb in step_mbs)
-            for k, v in step_metrics.items():
-                metrics[k] = metrics.get(k, 0.0) + v / len(data["num_microbatches"])
+        metrics.update(self._run_steps(rollout_id, data, mbs))
         timings["time/train"] = time.perf_counter() - t1
+        memory.end("actor_train")
         metrics.update(timings)
-        metrics["train/tokens_per_s"] = num_tokens / max(timings["time/train"], 1e-9)
-        metrics["train/samples"] = float(sum(len(mb["tokens"]) for mb in mbs))
-        metrics["train/steps"] = float(len(data["num_microbatches"]))
-        metrics["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics.update(memory.metrics())
+        metrics["train/tokens_per_s"] = metrics.pop("_tokens") / max(timings["time/train"], 1e-9)
         if (
             self.ref_params is not None
             and args.ref_update_interval
@@ -283,6 +308,29 @@ class MegatronTrainer:
             self.ref_params = {
                 n: p.detach().to("cpu", copy=True) for n, p in unwrap_model(self.model).named_parameters()
             }
+        return metrics
+
+    def _run_steps(self, rollout_id: int, data: dict[str, Any], mbs: list[dict[str, Any]]) -> dict[str, float]:
+        """Every optimizer step of the rollout; step metrics averaged over the steps (`_tokens`: tokens run)."""
+        pre = self.metric_prefix
+        metrics: dict[str, float] = {}
+        step_start = num_tokens = 0
+        for step, n_mb in enumerate(data["num_microbatches"]):
+            step_mbs = mbs[step_start : step_start + n_mb]
+            step_start += n_mb
+            b = data["global_batch_sizes"][step]
+            if "before_train_step" in self._hooks:
+                self._hooks["before_train_step"](
+                    self.args, rollout_id, step, [self.model], self.optimizer, self.scheduler
+                )
+            step_metrics = self._optimizer_step(step_mbs, b)
+            num_tokens += sum(sum(mb["total_lengths"]) for mb in step_mbs)
+            for k, v in step_metrics.items():
+                metrics[k] = metrics.get(k, 0.0) + v / len(data["num_microbatches"])
+        metrics["_tokens"] = float(num_tokens)
+        metrics[f"{pre}samples"] = float(sum(len(mb["tokens"]) for mb in mbs))
+        metrics[f"{pre}steps"] = float(len(data["num_microbatches"]))
+        metrics[f"{pre}lr"] = float(self.optimizer.param_groups[0]["lr"])
         return metrics
 
     def _max_rollout_logprob_diff(self, mbs: list[dict[str, Any]]) -> float:
@@ -314,14 +362,34 @@ class MegatronTrainer:
             "response_lengths": mb["response_lengths"],
             "total_lengths": mb["total_lengths"],
         }
-        for k in ("log_probs", "ref_log_probs"):
+        for k in ("log_probs", "ref_log_probs", "values"):
             if k in mb:
                 batch[k] = mb[k]
+        ppo_builtin = self.args.advantage_estimator == "ppo" and not self.args.custom_advantage_function_path
         if not mb["tokens"]:
             mb["advantages"] = mb["returns"] = []
-        elif not self.args.disable_compute_advantages_and_returns:
+        elif not self.args.disable_compute_advantages_and_returns and not ppo_builtin:
             compute_advantages_and_returns(self.args, batch, self.ps)
             mb["advantages"], mb["returns"] = batch["advantages"], batch["returns"]
+
+    def _rank_advantages(self, mbs: list[dict[str, Any]], data: dict[str, Any], kl_coef: float | None = None) -> None:
+        """PPO: GAE over all of this rank's samples at once (a fan-out group's segments are chained, over DP
+        too), written back into each micro-batch's `advantages` / `returns`."""
+        order = [(j, p) for j, mb in enumerate(mbs) for p in range(len(mb["tokens"]))]
+        flat: dict[str, list[Any]] = {}
+        for key in ("rewards", "loss_masks", "total_lengths", "response_lengths", "values", "log_probs", "ref_log_probs", "rollout_log_probs"):  # fmt: skip
+            if all(key in mbs[j] for j, _ in order):  # a rank without samples still joins the collectives
+                flat[key] = [mbs[j][key][p] for j, p in order]
+        for key in ("batch_positions", "next_segments"):
+            flat[key] = [data[key][mbs[j]["indices"][p]] for j, p in order]
+        adv, ret = ppo_advantages(self.args, flat, self.ps, kl_coef=kl_coef)
+        if self.args.normalize_advantages:
+            adv = distributed_masked_whiten(adv, [torch.as_tensor(m) for m in flat.get("loss_masks", [])], self.ps)
+        for mb in mbs:
+            mb["advantages"], mb["returns"] = [], []
+        for (j, _), a, r in zip(order, adv, ret, strict=True):
+            mbs[j]["advantages"].append(a)
+            mbs[j]["returns"].append(r)
 
     # per-sample keys a --rollout-data-postprocess-path hook sees, and may replace, on the train side
     POSTPROCESS_KEYS = (
@@ -371,13 +439,7 @@ class MegatronTrainer:
                 zero = logits.sum() * 0.0  # keeps every parameter in the graph; contributes nothing
                 # per-token mode counts the step's tokens: an empty micro-batch has none
                 return zero, torch.tensor(0 if per_token else 1, dtype=torch.int), {}
-            if "advantages" not in mb and args.loss_type == "policy_loss":
-                raise ValueError(
-                    "no advantages: with --disable-compute-advantages-and-returns a --rollout-data-postprocess-path "
-                    "hook must set rollout_data['advantages']"
-                )
-            lp, ent = self._logprobs(logits.float(), mb, packed, with_entropy=True)
-            loss, m = loss_function(args, mb, lp, ent, self.ps, logits=logits)
+            loss, m = self._micro_batch_loss(mb, packed, logits)
             scaled, num_tokens = scale_for_megatron(
                 loss,
                 num_microbatches=n_mb,
@@ -395,7 +457,7 @@ class MegatronTrainer:
         def forward_step(it: Iterator[dict[str, Any]], model: Any):
             nonlocal packed_rows
             mb = next(it)
-            logits, packed = self._forward_logits(mb)
+            logits, packed = self._forward(mb)
             packed_rows += packed.total_len - packed.pad if mb["tokens"] else 0
             return logits, partial(loss_func, mb, packed)
 
@@ -424,13 +486,30 @@ class MegatronTrainer:
         metrics = reduce_train_metrics(
             sums, self.ps, global_batch_size=global_batch_size, per_token=per_token, local_num_tokens=local_tokens
         )
-        out = {f"train/{k}": v for k, v in metrics.items()}
-        out["train/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-        out["train/update_successful"] = float(bool(ok))
-        out["train/global_batch_size"] = float(global_batch_size)
+        pre = self.metric_prefix
+        out = {f"{pre}{k}": v for k, v in metrics.items()}
+        out[f"{pre}grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        out[f"{pre}update_successful"] = float(bool(ok))
+        out[f"{pre}global_batch_size"] = float(global_batch_size)
         sample_tokens = sum(sum(mb["total_lengths"]) for mb in step_mbs)
-        out["train/packed_tokens_ratio"] = packed_rows / sample_tokens if sample_tokens else 1.0
+        out[f"{pre}packed_tokens_ratio"] = packed_rows / sample_tokens if sample_tokens else 1.0
         return out
+
+    def _forward(self, mb: dict[str, Any]) -> tuple[torch.Tensor, PackedBatch]:
+        """The training forward of one micro-batch: vocab-parallel logits here, values in the critic."""
+        return self._forward_logits(mb)
+
+    def _micro_batch_loss(
+        self, mb: dict[str, Any], packed: PackedBatch, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The unscaled loss R_mb of a non-empty micro-batch and its metric sums (`loss.py`)."""
+        if "advantages" not in mb and self.args.loss_type == "policy_loss":
+            raise ValueError(
+                "no advantages: with --disable-compute-advantages-and-returns a --rollout-data-postprocess-path "
+                "hook must set rollout_data['advantages']"
+            )
+        lp, ent = self._logprobs(logits.float(), mb, packed, with_entropy=True)
+        return loss_function(self.args, mb, lp, ent, self.ps, logits=logits)
 
     # ---- weights --------------------------------------------------------------------------------------------
     def is_weight_sender(self) -> bool:
@@ -441,7 +520,7 @@ class MegatronTrainer:
         """HF-named full tensors of this stage (a TP collective: every TP rank must iterate), in the engines'
         dtype. While asleep (--offload-train) the device memory is paused: they come from the host copy."""
         dtype = torch.bfloat16 if self.args.bf16 else None
-        if self.offloader is not None and self.offloader.asleep and self.offloader.param_backup is not None:
+        if self.offloader is not None and self.offloader.asleep and self.offloader.host_weights is not None:
             from slime.backends.megatron.hf_weights import iter_hf_tensors, layer_offset
 
             named = self.offloader.named_params_for_export(unwrap_model(self.model))

@@ -11,7 +11,6 @@ Without `--sglang-config` the same structure is synthesised from the flags: one 
 
 from __future__ import annotations
 
-import difflib
 import logging
 import os
 from argparse import Namespace
@@ -22,6 +21,13 @@ import yaml
 
 from slime.backends.sglang.flags import validate_override_keys
 from slime.utils.errors import SlimeArgError
+from slime.utils.yaml_nodes import YamlContext as _Ctx
+from slime.utils.yaml_nodes import as_bool as _bool
+from slime.utils.yaml_nodes import as_mapping as _mapping
+from slime.utils.yaml_nodes import as_positive_int as _pos_int
+from slime.utils.yaml_nodes import as_sequence as _seq
+from slime.utils.yaml_nodes import as_str as _str
+from slime.utils.yaml_nodes import compose_file
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +38,7 @@ GROUP_KEYS = ("worker_type", "num_gpus", "num_gpus_per_engine", "overrides")
 # slime-sim extension: which fake engine serves a model when `--rollout-engine sim` (ignored for real SGLang).
 SIM_KEYS = ("engine", "script", "synthetic_config")
 DEFAULT_MODEL_NAME = "default"
+FLAG = "--sglang-config"
 
 
 @dataclass(frozen=True)
@@ -88,97 +95,11 @@ class SGLangConfig:
         return next((m for m in self.models if m.receives_weights), None)
 
 
-# ---- YAML with line numbers -----------------------------------------------------------------------------------
-
-
-class _Ctx:
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._scalar = yaml.SafeLoader("")
-
-    def error(self, node: yaml.Node | None, where: str, message: str) -> SlimeArgError:
-        line = f":{node.start_mark.line + 1}" if node is not None else ""
-        loc = f"{where}: " if where else ""
-        return SlimeArgError(f"--sglang-config {self.path}{line}: {loc}{message}")
-
-    def value(self, node: yaml.Node) -> Any:
-        return self._scalar.construct_object(node, deep=True)
-
-
-def _mapping(ctx: _Ctx, node: yaml.Node, where: str, allowed: tuple[str, ...] | None) -> dict[str, yaml.Node]:
-    if not isinstance(node, yaml.MappingNode):
-        raise ctx.error(node, where, f"expected a mapping, got {_kind(node)}")
-    out: dict[str, yaml.Node] = {}
-    for knode, vnode in node.value:
-        key = ctx.value(knode)
-        if not isinstance(key, str):
-            raise ctx.error(knode, where, f"keys must be strings, got {key!r}")
-        sub = f"{where}.{key}" if where else key
-        if key in out:
-            raise ctx.error(knode, sub, "duplicate key")
-        if allowed is not None and key not in allowed:
-            close = difflib.get_close_matches(key, allowed, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; allowed: {', '.join(allowed)}"
-            raise ctx.error(knode, sub, f"unknown key{hint}")
-        out[key] = vnode
-    return out
-
-
-def _kind(node: yaml.Node) -> str:
-    if isinstance(node, yaml.MappingNode):
-        return "a mapping"
-    if isinstance(node, yaml.SequenceNode):
-        return "a list"
-    return f"{node.value!r}" if node.value != "" else "nothing"
-
-
-def _seq(ctx: _Ctx, node: yaml.Node, where: str) -> list[yaml.Node]:
-    if not isinstance(node, yaml.SequenceNode):
-        raise ctx.error(node, where, f"expected a list, got {_kind(node)}")
-    if not node.value:
-        raise ctx.error(node, where, "must not be empty")
-    return list(node.value)
-
-
-def _str(ctx: _Ctx, node: yaml.Node, where: str) -> str:
-    v = ctx.value(node) if isinstance(node, yaml.ScalarNode) else None
-    if not isinstance(v, str) or not v:
-        raise ctx.error(node, where, f"expected a non-empty string, got {_kind(node)}")
-    return v
-
-
-def _pos_int(ctx: _Ctx, node: yaml.Node, where: str) -> int:
-    v = ctx.value(node) if isinstance(node, yaml.ScalarNode) else None
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ctx.error(node, where, f"expected a positive integer, got {_kind(node)}")
-    return v
-
-
-def _bool(ctx: _Ctx, node: yaml.Node, where: str) -> bool:
-    v = ctx.value(node) if isinstance(node, yaml.ScalarNode) else None
-    if not isinstance(v, bool):
-        raise ctx.error(node, where, f"expected true or false, got {_kind(node)}")
-    return v
-
-
 # ---- loading and resolution -----------------------------------------------------------------------------------
 
 
 def _compose(path: str) -> yaml.Node:
-    try:
-        with open(path) as f:
-            text = f.read()
-    except OSError as e:
-        raise SlimeArgError(f"--sglang-config {path}: cannot read: {e.strerror or e}") from None
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        line = f":{mark.line + 1}" if mark is not None else ""
-        problem = " ".join(str(e.problem or e.context or "syntax error").split())
-        raise SlimeArgError(f"--sglang-config {path}{line}: invalid YAML: {problem}") from None
-    except yaml.YAMLError as e:
-        raise SlimeArgError(f"--sglang-config {path}: invalid YAML: {' '.join(str(e).split())}") from None
+    node = compose_file(FLAG, path)
     if node is None:
         raise SlimeArgError(f"--sglang-config {path}: the file is empty; expected a top-level `sglang:` list")
     return node
@@ -343,7 +264,7 @@ def _resolve(raws: list[dict[str, Any]], args: Namespace, ctx: _Ctx | None) -> t
 
 def load_sglang_config(path: str, args: Namespace) -> SGLangConfig:
     """Parse and resolve `path` against the flags; raises SlimeArgError (one line: file:line: yaml.path: why)."""
-    ctx = _Ctx(path)
+    ctx = _Ctx(FLAG, path)
     if args.prefill_num_servers is not None:
         raise SlimeArgError(
             f"--sglang-config {path}: excludes --prefill-num-servers; declare prefill/decode groups in the YAML"
