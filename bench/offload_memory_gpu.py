@@ -89,6 +89,8 @@ def build_checkpoint(work: Path, a: argparse.Namespace) -> Path:
     cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers = a.hidden_size, a.ffn_hidden_size, a.num_layers
     cfg.num_attention_heads, cfg.num_key_value_heads = a.num_heads, a.num_kv_heads
     cfg.tie_word_embeddings = True
+    if getattr(cfg, "layer_types", None) is not None:  # one entry per layer (newer transformers): resize with them
+        cfg.layer_types = [cfg.layer_types[0]] * cfg.num_hidden_layers
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
