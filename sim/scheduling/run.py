@@ -193,12 +193,11 @@ class SimBackend:
         if recycled:
             self.data_source.add_samples(recycled)
         self.result.aborted_groups += len(recycled)
-        groups, stale = filter_stale_groups(
+        groups, dropped, stale = filter_stale_groups(
             out.samples, rollout_id, self.args.max_weight_staleness, self.args.async_unused_samples_handler,
             self.data_source,
         )  # fmt: skip
-        kept = {id(g) for g in groups}
-        self.result.dropped_ids += [flatten(g)[0].group_index for g in out.samples if id(g) not in kept]
+        self.result.dropped_ids += [flatten(g)[0].group_index for g in dropped]
         self.result.stale_retried += int(stale.get("async/stale_retried_groups", 0))
         self.result.stale_dropped += int(stale.get("async/stale_dropped_groups", 0))
         self.pending[rollout_id] = groups
@@ -224,14 +223,16 @@ class SimBackend:
         r = self.async_rollout
         if r is None:
             return
-        t = r._total
-        self.result.stale_dropped, self.result.stale_retried = t.stale_dropped, t.stale_retried
-        self.result.aborted_groups = t.aborted_groups
+        t = r.totals()
+        self.result.stale_dropped, self.result.stale_retried = (
+            int(t["stale_dropped_groups"]),
+            int(t["stale_retried_groups"]),
+        )
+        self.result.aborted_groups = int(t["aborted_groups"])
         self.result.dropped_ids = list(r.dropped_ids)
         self.result.max_buffer = r.max_buffer_size
+        await r.stop()  # afterwards every unconsumed group is in the buffer or the data source
         self.result.outstanding_ids += [flatten(g)[0].group_index for g in r.buffer]
-        self.result.outstanding_ids += r.in_flight_prompt_indices()
-        await r.stop()
 
     async def train(self, rollout_id: int, batch: list[Any]) -> None:
         tokens = 0

@@ -155,7 +155,7 @@ class RolloutManager:
             out = call_rollout_fn(self.rollout_fn, self.args, rollout_id, self.data_source, evaluation=False)
             extra.update(out.metrics or {})
             # --max-weight-staleness outside --fully-async: groups --partial-rollout recycled may carry old tokens
-            groups, stale = filter_stale_groups(
+            groups, _, stale = filter_stale_groups(
                 out.samples,
                 rollout_id,
                 self.args.max_weight_staleness,

@@ -117,23 +117,27 @@ def settle_stale_group(group: Group, handler: str, source: DataSourceLike) -> bo
 
 def filter_stale_groups(
     groups: list[Group], trainer_version: int, max_staleness: int | None, handler: str, source: DataSourceLike
-) -> tuple[list[Group], dict[str, float]]:
+) -> tuple[list[Group], list[Group], dict[str, float]]:
     """The staleness bound outside the fully-async buffer (a rollout's groups, e.g. ones --partial-rollout
-    recycled with old tokens): the groups within it, and the counts of those retried or dropped."""
+    recycled with old tokens): (the groups within it, the groups dropped, the counts)."""
     if max_staleness is None:
-        return groups, {}
+        return groups, [], {}
     kept, stale = [], []
     for g in groups:
         group = g if isinstance(g, list) else [g]
         (stale if group_staleness(group, trainer_version) > max_staleness else kept).append(g)
     if not stale:
-        return kept, {}
-    retried = sum(settle_stale_group(g, handler, source) for g in stale)
-    return kept, {
-        "async/stale_groups": float(len(stale)),
-        "async/stale_retried_groups": float(retried),
-        "async/stale_dropped_groups": float(len(stale) - retried),
-    }
+        return kept, [], {}
+    dropped = [g for g in stale if not settle_stale_group(g if isinstance(g, list) else [g], handler, source)]
+    return (
+        kept,
+        dropped,
+        {
+            "async/stale_groups": float(len(stale)),
+            "async/stale_retried_groups": float(len(stale) - len(dropped)),
+            "async/stale_dropped_groups": float(len(dropped)),
+        },
+    )
 
 
 def _prompt_index(group: Group) -> int:
@@ -188,9 +192,19 @@ class AsyncRollout:
     def in_flight_samples(self) -> int:
         return sum(n for _, n in self._in_flight.values())
 
-    def in_flight_prompt_indices(self) -> list[int]:
-        """Prompt indices of the groups dispatched and not yet in the buffer (or back in the data source)."""
-        return [_prompt_index(pickle.loads(s)) for s, _ in self._in_flight.values()]
+    def totals(self) -> dict[str, float]:
+        """Counts over the whole run (the per-step metrics are `consume`'s)."""
+        t = self._total
+        return {
+            "consumed_groups": t.consumed_groups,
+            "stale_groups": t.stale_groups,
+            "stale_retried_groups": t.stale_retried,
+            "stale_dropped_groups": t.stale_dropped,
+            "filtered_groups": t.filtered_groups,
+            "aborted_groups": t.aborted_groups,
+            "producer_wait_s": t.producer_wait_s,
+            "trainer_wait_s": t.trainer_wait_s,
+        }
 
     @property
     def max_buffer_size(self) -> int:
@@ -287,16 +301,17 @@ class AsyncRollout:
         try:
             result = await self.generator.run_group(group)
         except asyncio.CancelledError:
-            self._in_flight.pop(task, None)
-            self._generating.discard(task)
+            snapshot, _ = self._in_flight.pop(task)
+            self.source.add_samples([pickle.loads(snapshot)])  # as dispatched: it starts again later
             raise
         except BaseException as e:
             logger.exception("generating a fully-async group failed")
             self._failure = e
-            self._notify()
+            self._in_flight.pop(task, None)
             raise
-        self._generating.discard(task)
-        self._notify()  # an engine slot is free
+        finally:
+            self._generating.discard(task)
+            self._notify()  # an engine slot is free (or the failure is visible)
         try:
             if _unfinished(result):
                 self._window.aborted_groups += 1
@@ -311,7 +326,11 @@ class AsyncRollout:
                     self._total.filtered_groups += 1
                     self.dropped_ids.append(_prompt_index(result))
                     return
-            await self._wait(lambda: len(self.buffer) < self.buffer.capacity)
+            try:
+                await self._wait(lambda: len(self.buffer) < self.buffer.capacity)
+            except asyncio.CancelledError:
+                self.source.add_samples([result])  # finished; it passes through generation unchanged later
+                raise
             self.buffer.put(result)
             self._max_buffer = max(self._max_buffer, len(self.buffer))
         finally:
@@ -340,13 +359,14 @@ class AsyncRollout:
         self._notify()
 
     async def stop(self) -> None:
-        """Stop producing; in-flight groups are interrupted and go back to the data source."""
+        """Stop producing. Afterwards every group not consumed or dropped is in the buffer or the data source:
+        interrupted ones resume from their tokens, finished ones waiting for room pass through unchanged."""
         if self._producer is not None:
             self._producer.cancel()
             await asyncio.gather(self._producer, return_exceptions=True)
             self._producer = None
         await self.pause()
-        # groups that finished but wait for room in the buffer are abandoned with their tasks
+        # groups that finished but wait for room in the buffer go back to the data source
         waiting = list(self._in_flight)
         for t in waiting:
             t.cancel()
