@@ -19,6 +19,7 @@ that finish; the rest go back to the buffer with their tokens).
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from slime.rollout.sglang_rollout import generate_rollout_async
 from slime.scheduling.arguments import validate_async_args
 from slime.scheduling.driver import LoopPlan, run_loop
 from slime.scheduling.fully_async import AsyncRollout, filter_stale_groups
-from slime.scheduling.group_buffer import GroupBuffer
+from slime.scheduling.group_buffer import GroupBuffer, group_from_json, group_to_json
 from slime.scheduling.staleness import flatten, group_staleness, parse_version
 from slime.utils.misc import load_function
 
@@ -55,6 +56,8 @@ class SimConfig:
     horizon_s: float = 3600.0
     max_steps: int | None = None  # stop after this many steps instead (then the run ends cleanly)
     custom_buffer_path: str | None = None
+    save_interval: int | None = None  # keep a checkpoint (what the RolloutManager saves) every N steps
+    kill_at_s: float | None = None  # the run dies at this simulated time, wherever it is
 
     def __post_init__(self) -> None:
         if self.mode not in SIM_MODES:
@@ -143,6 +146,9 @@ class SimResult:
     max_buffer: int = 0
     buffer_capacity: int = 0
     aborted_groups: int = 0
+    checkpoints: dict[int, dict[str, Any]] = field(default_factory=dict)
+    consumed_before: list[int] = field(default_factory=list)  # trained before the checkpoint it resumed from
+    killed: bool = False
 
     def report(self) -> dict[str, Any]:
         w, t = self.workload, max(self.sim_time_s, 1e-9)
@@ -181,6 +187,9 @@ class SimBackend:
         self.data_source = RolloutDataSourceWithBuffer(args)
         self.pending: dict[int, list[Any]] = {}
         self.async_rollout: AsyncRollout | None = None
+        self.async_state: dict[str, Any] | None = None  # to load when the producer starts (a resumed run)
+        # the RolloutManager is one Ray actor: its methods run one at a time (a save waits for a rollout)
+        self.manager = asyncio.Lock()
 
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
@@ -189,6 +198,12 @@ class SimBackend:
         """No eval in the simulator (its cost is the same in every mode)."""
 
     async def rollout(self, rollout_id: int) -> None:
+        async with self.manager:
+            await self._rollout(rollout_id)
+
+    async def _rollout(self, rollout_id: int) -> None:
+        if rollout_id in self.pending:  # restored from a checkpoint: generated before it, not yet trained
+            return
         out, recycled = await generate_rollout_async(self.args, rollout_id, self.data_source, self.pool.abort_all)
         if recycled:
             self.data_source.add_samples(recycled)
@@ -203,7 +218,8 @@ class SimBackend:
         self.pending[rollout_id] = groups
 
     async def train_data(self, rollout_id: int) -> Any:
-        return self.pending.pop(rollout_id)
+        async with self.manager:
+            return self.pending.pop(rollout_id)
 
     async def start_producer(self, rollout_id: int) -> None:
         args = self.args
@@ -213,11 +229,14 @@ class SimBackend:
         self.async_rollout = AsyncRollout(
             async_config(args), self.data_source, buffer, SimGroupGenerator(args, self.pool), engine_version=rollout_id
         )
+        if self.async_state is not None:
+            self.async_rollout.load_state_dict(self.async_state)
         self.async_rollout.start(rollout_id)
 
     async def consume(self, rollout_id: int) -> Any:
-        groups, _ = await self.async_rollout.consume(rollout_id)
-        return groups
+        async with self.manager:
+            groups, _ = await self.async_rollout.consume(rollout_id)
+            return groups
 
     async def stop_producer(self) -> None:
         r = self.async_rollout
@@ -252,7 +271,25 @@ class SimBackend:
         await asyncio.sleep(t)
 
     async def save(self, rollout_id: int) -> None:
-        """No checkpoints in the simulator."""
+        """What the RolloutManager checkpoints (data source, fully-async state, pending rollouts), plus the prompts
+        trained so far (the trainer's part), as JSON taken in one step of the loop."""
+        async with self.manager:
+            ckpt = {
+                "rollout_id": rollout_id,
+                "data_source": self.data_source._state(),
+                "async": self.async_rollout.state_dict() if self.async_rollout is not None else None,
+                "pending": {rid: [group_to_json(g) for g in gs] for rid, gs in self.pending.items()},
+                "consumed": self.result.consumed_before + [c.prompt_index for c in self.result.consumed],
+                "dropped": list(self.result.dropped_ids),
+            }
+            self.result.checkpoints[rollout_id] = json.loads(json.dumps(ckpt))
+
+    def load(self, ckpt: dict[str, Any]) -> None:
+        self.data_source._set_state(ckpt["data_source"])
+        self.pending = {int(rid): [group_from_json(g) for g in gs] for rid, gs in ckpt["pending"].items()}
+        self.async_state = ckpt["async"]
+        self.result.consumed_before = list(ckpt["consumed"])
+        self.result.dropped_ids = list(ckpt["dropped"])
 
     async def sync_weights(self, version: int) -> None:
         if self.async_rollout is not None:
@@ -268,8 +305,9 @@ class SimBackend:
             raise _Horizon()
 
 
-def simulate(config: SimConfig, workload: Workload = DEFAULT) -> SimResult:
-    """Run one simulation to `config.horizon_s` simulated seconds (or `max_steps`); deterministic for a workload."""
+def simulate(config: SimConfig, workload: Workload = DEFAULT, resume: dict[str, Any] | None = None) -> SimResult:
+    """Run one simulation to `config.horizon_s` simulated seconds (or `max_steps`); deterministic for a workload.
+    `resume`: a checkpoint of an earlier run (`SimResult.checkpoints`) to continue from, as `--load` does."""
     args = sim_args(workload, config)
     result = SimResult(config, workload)
 
@@ -277,20 +315,33 @@ def simulate(config: SimConfig, workload: Workload = DEFAULT) -> SimResult:
         pool = EnginePool(workload)
         CURRENT.set(_Current(workload, pool))
         backend = SimBackend(args, result, pool)
+        start = 0
+        if resume is not None:
+            backend.load(resume)
+            start = resume["rollout_id"] + 1
         plan = LoopPlan(
             mode="sync" if config.mode == "partial" else config.mode,
-            start=0,
+            start=start,
             num_rollout=args.num_rollout,
             update_weights_interval=config.update_weights_interval,
+            save=config.save_interval is not None,
+            save_interval=config.save_interval,
         )
 
         def record(kind: str, ident: int) -> None:
             result.events.append((asyncio.get_running_loop().time(), kind, ident))
 
+        loop = asyncio.get_running_loop()
+        run = loop.create_task(run_loop(plan, backend, record))
+        if config.kill_at_s is not None:
+            loop.call_at(config.kill_at_s, run.cancel)
         try:
-            await run_loop(plan, backend, record)
+            await run
         except _Horizon:
             pass
+        except asyncio.CancelledError:
+            result.killed = True
+            return  # a dead process: nothing after the kill counts
         result.sim_time_s = asyncio.get_running_loop().time()
         pool.settle_accounting()
         result.engine_busy_slot_s = pool.busy_slot_s

@@ -10,6 +10,7 @@ loop driver, rollout functions, fully-async producer, buffer and staleness filte
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -91,3 +92,27 @@ def test_scheduling_invariants(case):
     # one seed, one run
     again = simulate(c, w)
     assert again.events == r.events and again.consumed == r.consumed and again.report() == r.report()
+
+
+@settings(deadline=None)
+@given(cases(), st.integers(1, 3), st.floats(0.0, 1.0))
+def test_killed_anywhere_and_resumed_loses_and_repeats_no_prompt(case, save_interval, kill_fraction):
+    """Kill a run at a random moment (groups in flight, buffered, a rollout generated ahead), resume from its last
+    checkpoint: over the checkpointed part and the resumed run, no prompt is trained twice, and every prompt
+    handed out is trained, dropped and counted, or still in the run."""
+    w, c = case
+    c = dataclasses.replace(c, save_interval=save_interval)
+    whole = simulate(c, w)
+    killed = simulate(dataclasses.replace(c, kill_at_s=kill_fraction * whole.sim_time_s), w)
+    assert killed.killed or kill_fraction == 1.0
+    last = max(killed.checkpoints) if killed.checkpoints else None
+    resumed = simulate(c, w, resume=killed.checkpoints[last] if last is not None else None)
+    assert resumed.steps == c.max_steps - (last + 1 if last is not None else 0)
+    consumed = resumed.consumed_before + [x.prompt_index for x in resumed.consumed]
+    assert len(consumed) == len(set(consumed)), "a prompt trained twice across the resume"
+    dropped, outstanding = set(resumed.dropped_ids), set(resumed.outstanding_ids)
+    assert len(resumed.dropped_ids) == len(dropped)
+    assert not (set(consumed) & dropped) and not (set(consumed) & outstanding) and not (dropped & outstanding)
+    assert set(consumed) | dropped | outstanding == set(range(resumed.handed_out)), "a prompt was lost"
+    if c.mode == "fully_async":
+        assert len(consumed) == c.max_steps * w.rollout_batch_size
