@@ -55,14 +55,14 @@ def table(rows: list[dict[str, Any]]) -> str:
     sync = next(r for r in rows if r["mode"] == "sync")["samples_per_s"]
     head = (
         f"{'schedule':<26} {'samples/s':>9} {'x sync':>7} {'engines busy':>12} {'trainer idle':>12} "
-        f"{'staleness mean':>14}  {'staleness histogram':<34} {'dropped':>7} {'retried':>7} {'wasted tokens':>13}"
+        f"{'staleness mean':>14}  {'staleness histogram':<46} {'dropped':>7} {'retried':>7} {'wasted tokens':>13}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         hist = " ".join(f"{k}:{v}" for k, v in r["staleness_hist"].items())
         lines.append(
             f"{r['label']:<26} {r['samples_per_s']:>9.3f} {r['samples_per_s'] / sync:>6.2f}x {r['engine_busy']:>12.1%} "
-            f"{r['trainer_idle']:>12.1%} {r['staleness_mean']:>14.2f}  {hist:<34} {r['dropped_groups']:>7} "
+            f"{r['trainer_idle']:>12.1%} {r['staleness_mean']:>14.2f}  {hist:<46} {r['dropped_groups']:>7} "
             f"{r['retried_groups']:>7} {r['wasted_token_fraction']:>13.1%}"
         )
     return "\n".join(lines)
