@@ -8,13 +8,13 @@ The life of a group:
 
 1. **Dispatch.** The producer takes one group from the data source (its buffer first: aborted and retried groups
    resume before fresh prompts). A resumed group whose tokens are already too old for the next consume is
-   settled at once as stale (below) instead of being generated to its end. It dispatches when (a) it is not paused, (b) fewer than `max_in_flight_groups` groups
-   generate, (c) the finished-groups buffer has room, and (d) with a staleness bound `k`, the group could still
-   be consumed in time: with `ahead` groups queued before it (in flight or buffered) it trains at step
-   `next_consume + ahead // B` at the earliest, and its tokens are no older than the engines' version `E`, so
-   it is admitted only while `ahead < (k + E − next_consume + 1) × B`. This keeps the producer from
-   generating work that is bound to be stale; it does not guarantee freshness (a long answer can be overtaken),
-   the filter below does.
+   settled at once as stale (step 3) instead of being generated to its end. It dispatches while (a) it is not
+   paused, (b) fewer than `max_in_flight_groups` groups generate, (c) the finished-groups buffer has room, and
+   (d) with a staleness bound `k`, the group could still be consumed in time: with `ahead` groups queued before
+   it (in flight or buffered) it trains at step `next_consume + ahead // B` at the earliest, and its tokens are
+   no older than the engines' version `E`, so it is admitted only while `ahead < (k + E − next_consume + 1) × B`.
+   This keeps the producer from generating work that is bound to be stale; it does not guarantee freshness (a
+   long answer can be overtaken), the filter of step 3 does.
 2. **Finish.** A group with an aborted sample (a weight sync, an eval or a stop interrupted it) goes back to the
    data source's buffer, the same path `--partial-rollout` uses, and resumes from its tokens with the rest of
    its budget. A group the dynamic filter rejects is dropped and counted. Anything else waits for room in the
@@ -27,8 +27,8 @@ The life of a group:
 Every prompt handed out is thus trained once, dropped (counted, with its prompt index), or still in the run
 (buffered, in flight or waiting in the data source) — the property tests check exactly this.
 
-Checkpoints (`state_dict`) hold the buffer, each in-flight group as it was when dispatched, the consumed and
-dropped prompt indices and the counters; taken in one step of the event loop, so nothing moves meanwhile.
+Checkpoints (`state_dict`) hold the buffer, each in-flight group as it was when dispatched, and the consumed
+and dropped prompt indices; taken in one step of the event loop, so nothing moves meanwhile.
 """
 
 from __future__ import annotations

@@ -169,3 +169,56 @@ def test_mask_offpolicy_applies_under_fully_async(tmp_path):
     out = asyncio.run(generate_and_rm(args, s, {"max_new_tokens": 8}))
     assert out.loss_mask == [0, 0, 1]
     assert out.weight_version_spans == [["1", 2, False], ["2", 1, True]] and sample_min_version(out) == 2
+
+
+class _FanOutGenerator:
+    """Each trajectory comes back as two segments sharing a group id (a compacted agent trajectory)."""
+
+    def __init__(self) -> None:
+        self.version = 0
+
+    async def run_group(self, group):
+        await asyncio.sleep(1.0)
+        out = []
+        for s in group:
+            _answered(s, self.version, 2)
+            s.status, s.group_id = Status.COMPLETED, 1000 + s.index
+            tail = Sample(index=s.index, group_index=s.group_index, group_id=s.group_id, tokens=[1, 9],
+                          response_length=1, status=Status.COMPLETED, weight_version_spans=[[str(self.version), 1, True]])  # fmt: skip
+            out.append([s, tail])
+        return out
+
+    async def abort_all(self) -> None:
+        pass
+
+    def allow(self) -> None:
+        pass
+
+
+def test_fully_async_carries_fan_out_groups_to_train_data(tmp_path):
+    from sim.scheduling.clock import run_virtual
+    from slime.ray.train_data import rollout_samples
+    from slime.scheduling.fully_async import AsyncConfig, AsyncRollout
+
+    args = _args(tmp_path)
+    source = RolloutDataSourceWithBuffer(args)
+    gen = _FanOutGenerator()
+
+    async def main():
+        r = AsyncRollout(AsyncConfig(batch_size=2, max_in_flight_groups=2, max_staleness=1), source,
+                         GroupBuffer(args, 4), gen, engine_version=0)  # fmt: skip
+        r.start(0)
+        batches = []
+        for step in range(3):
+            groups, metrics = await r.consume(step)
+            batches.append((groups, metrics))
+            await r.pause()
+            gen.version = step + 1
+            r.resume(step + 1)
+        await r.stop()
+        return batches
+
+    for groups, metrics in run_virtual(main()):
+        assert len(groups) == 2 and all(len(g) == 2 and all(len(t) == 2 for t in g) for g in groups)
+        samples = rollout_samples(groups)  # the fan-out contract holds: siblings share one group id
+        assert len(samples) == 8 and metrics["async/staleness_max"] <= 1
