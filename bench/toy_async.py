@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     out = (ROOT / a.out).resolve() if not os.path.isabs(a.out) else Path(a.out)
     os.environ.setdefault("SLIME_CPU_THREADS", str(os.cpu_count() or 1))
+    # the runs import this checkout's slime even where the environment has another one installed
+    os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x)
     paths = prepare(out / "assets", num_train=a.num_train, num_eval=128, model_kwargs=quickstart.MODEL)
     walls: dict[str, float] = {}
     sft = Path(mine.sft_checkpoint) if mine.sft_checkpoint else out / "sft_hf"
