@@ -346,7 +346,8 @@ class AsyncRollout:
         self._notify()
         while self._generating:
             await self.generator.abort_all()
-            await asyncio.wait(set(self._generating), timeout=poll_s)
+            if self._generating:  # they may all have come back while the abort was being sent
+                await asyncio.wait(set(self._generating), timeout=poll_s)
         if self._failure is not None:
             raise RuntimeError("the fully-async producer failed") from self._failure
 

@@ -222,3 +222,44 @@ def test_fully_async_carries_fan_out_groups_to_train_data(tmp_path):
         assert len(groups) == 2 and all(len(g) == 2 and all(len(t) == 2 for t in g) for g in groups)
         samples = rollout_samples(groups)  # the fan-out contract holds: siblings share one group id
         assert len(samples) == 8 and metrics["async/staleness_max"] <= 1
+
+
+class _SlowAbortGenerator:
+    """Requests run until aborted; the abort takes a while to send, and they come back before it returns."""
+
+    def __init__(self) -> None:
+        self.stop = None
+
+    async def run_group(self, group):
+        await self.stop.wait()
+        for s in group:
+            s.status = Status.ABORTED
+        return group
+
+    async def abort_all(self) -> None:
+        self.stop.set()
+        await asyncio.sleep(0.5)
+
+    def allow(self) -> None:
+        self.stop.clear()
+
+
+def test_pause_when_every_request_returns_during_the_abort(tmp_path):
+    from sim.scheduling.clock import run_virtual
+    from slime.scheduling.fully_async import AsyncConfig, AsyncRollout
+
+    args = _args(tmp_path)
+    source = RolloutDataSourceWithBuffer(args)
+    gen = _SlowAbortGenerator()
+
+    async def main():
+        gen.stop = asyncio.Event()
+        r = AsyncRollout(AsyncConfig(batch_size=2, max_in_flight_groups=2), source, GroupBuffer(args, 4), gen)
+        r.start(0)
+        await asyncio.sleep(1.0)
+        assert r.in_flight_groups == 2
+        await r.pause()
+        assert r.in_flight_groups == 0 and len(source.buffer) == 2  # back in the data source, to resume
+        await r.stop()
+
+    run_virtual(main())
