@@ -27,7 +27,12 @@ from slime.backends.sglang.arguments import add_rollout_engine_arguments, valida
 from slime.backends.sglang.flags import add_router_arguments, add_sglang_arguments, check_unknown_prefixed
 from slime.ray.arguments import add_cluster_arguments, validate_cluster_args
 from slime.rollout import arguments as rollout_flags
-from slime.scheduling.arguments import add_batching_arguments, validate_batching_args
+from slime.scheduling.arguments import (
+    add_async_arguments,
+    add_batching_arguments,
+    validate_async_args,
+    validate_batching_args,
+)
 from slime.utils.errors import SlimeArgError
 
 logger = logging.getLogger(__name__)
@@ -99,6 +104,7 @@ def build_parser(add_custom_arguments: Callable[[argparse.ArgumentParser], None]
     add_rollout_engine_arguments(p)
     rollout_flags.add_rollout_arguments(p)
     add_batching_arguments(p)
+    add_async_arguments(p)
     algorithm_flags.add_algorithm_arguments(p)
     _add_debug_arguments(p)
     megatron_flags.add_megatron_arguments(p)
@@ -186,6 +192,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     megatron_flags.validate_megatron_args(args)
     resolve_roles(args, parser)
     validate_rollout_engine_args(args)
+    validate_async_args(args)
     if not args.debug_train_only and args.hf_checkpoint is None:
         raise SlimeArgError("--hf-checkpoint is required (tokenizer and initial weights of the rollout engines)")
     if args.hf_checkpoint is not None and not os.path.isfile(os.path.join(args.hf_checkpoint, "config.json")):

@@ -54,6 +54,10 @@ def train(args: Namespace) -> dict:
     """Run the whole job; returns a summary (per-rollout train hashes, server info) for scripts and tests."""
     num_prompts = preflight(args)
     args.num_rollout = resolve_num_rollout(args, num_prompts)
+    if args.fully_async or args.one_step_ahead:  # generation overlaps training: slime/async_train.py
+        from slime.async_train import train_async
+
+        return train_async(args)
 
     import ray
 

@@ -49,6 +49,30 @@ def common(paths: dict[str, Path], checkpoint: Path) -> list[str]:
     ]  # fmt: skip
 
 
+def sft_flags(a: argparse.Namespace, paths: dict[str, Path], save_hf: Path) -> list[str]:
+    """The SFT warm-up's job: the labels as responses, no inference server; ends with an HF checkpoint."""
+    return [
+        *common(paths, paths["model"]), "--debug-train-only",
+        "--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout", "--loss-type", "sft_loss",
+        "--rollout-batch-size", "64", "--global-batch-size", "64", "--num-rollout", str(a.sft_steps),
+        "--lr", str(a.sft_lr), "--seed", str(a.seed), "--save-hf", str(save_hf), "--no-use-tensorboard",
+    ]  # fmt: skip
+
+
+def grpo_flags(a: argparse.Namespace, paths: dict[str, Path], checkpoint: Path) -> list[str]:
+    """The GRPO phase's job (also `bench/toy_async.py`'s, which runs it synchronously and fully async)."""
+    return [
+        *common(paths, checkpoint), "--rollout-engine", "sim", "--sim-engine", "hf",
+        "--rollout-num-gpus", "2", "--rollout-batch-size", str(a.prompts), "--n-samples-per-prompt", str(a.samples),
+        "--global-batch-size", str(a.prompts * a.samples), "--num-rollout", str(a.rl_max_steps),
+        "--advantage-estimator", "grpo", "--lr", str(a.rl_lr), "--lr-warmup-iters", "5", "--adam-eps", "1e-3",
+        "--clip-grad", "0.2", "--calculate-per-token-loss", "--use-rollout-logprobs", "--seed", str(a.seed),
+        "--rollout-temperature", "1.0", "--sglang-max-running-requests", "1024",
+        "--eval-prompt-data", "toy", str(paths["eval"]), "--eval-interval", str(a.eval_interval),
+        "--n-samples-per-eval-prompt", "4", "--eval-temperature", "1.0", "--eval-fixed-sampling-seed",
+    ]  # fmt: skip
+
+
 def eval_curve(metrics_dir: Path, name: str = "toy") -> list[tuple[int, float]]:
     """(step, held-out reward) of every eval logged so far (the file may be mid-write: a torn line is skipped)."""
     out = []
@@ -168,26 +192,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     paths = prepare(out / "assets", num_train=a.num_train, num_eval=128, model_kwargs=MODEL)
     walls: dict[str, float] = {}
     logger.info("1/2 SFT warm-up: %d steps of the labels, no inference server", a.sft_steps)
-    sft_flags = [
-        *common(paths, paths["model"]), "--debug-train-only",
-        "--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout", "--loss-type", "sft_loss",
-        "--rollout-batch-size", "64", "--global-batch-size", "64", "--num-rollout", str(a.sft_steps),
-        "--lr", str(a.sft_lr), "--seed", str(a.seed), "--save-hf", str(out / "sft_hf"), "--no-use-tensorboard",
-    ]  # fmt: skip
-    walls["sft"] = run(sft_flags, out / "sft")
+    walls["sft"] = run(sft_flags(a, paths, out / "sft_hf"), out / "sft")
 
     logger.info("2/2 GRPO from the SFT checkpoint until the held-out reward reaches %.2f", a.target)
-    rl_flags = [
-        *common(paths, out / "sft_hf"), "--rollout-engine", "sim", "--sim-engine", "hf",
-        "--rollout-num-gpus", "2", "--rollout-batch-size", str(a.prompts), "--n-samples-per-prompt", str(a.samples),
-        "--global-batch-size", str(a.prompts * a.samples), "--num-rollout", str(a.rl_max_steps),
-        "--advantage-estimator", "grpo", "--lr", str(a.rl_lr), "--lr-warmup-iters", "5", "--adam-eps", "1e-3",
-        "--clip-grad", "0.2", "--calculate-per-token-loss", "--use-rollout-logprobs", "--seed", str(a.seed),
-        "--rollout-temperature", "1.0", "--sglang-max-running-requests", "1024",
-        "--eval-prompt-data", "toy", str(paths["eval"]), "--eval-interval", str(a.eval_interval),
-        "--n-samples-per-eval-prompt", "4", "--eval-temperature", "1.0", "--eval-fixed-sampling-seed",
-        "--save-debug-rollout-data", str(out / "dump" / "rollout_{rollout_id}.pt"), *extra,
-    ]  # fmt: skip
+    rl_flags = [*grpo_flags(a, paths, out / "sft_hf"), "--save-debug-rollout-data",
+                str(out / "dump" / "rollout_{rollout_id}.pt"), *extra]  # fmt: skip
     walls["grpo"] = run(rl_flags, out / "grpo", stop_at=a.target)
     curve = eval_curve(out / "grpo")
     total = time.perf_counter() - t_all

@@ -23,6 +23,8 @@ from slime.ray.train_data import build_rank_data, rollout_samples
 from slime.rollout.base_types import call_rollout_fn
 from slime.rollout.data_source import call_with_checkpoint_dir
 from slime.scheduling.carry import CarryBuffer
+from slime.scheduling.fully_async import filter_stale_groups
+from slime.scheduling.staleness import staleness_metrics
 from slime.utils.atomic import atomic_open
 from slime.utils.console import configure_actor
 from slime.utils.misc import load_function
@@ -50,8 +52,15 @@ class RolloutManager:
             self.data_source = load_function(args.data_source_path)(args)
         self.rollout_fn = load_function(args.rollout_function_path)
         self.eval_fn = load_function(args.eval_function_path)
+        # rollouts generated but not yet turned into train data: {rollout id: (samples, metrics, seconds)}
+        self._pending: dict[int, tuple[list[Sample], dict[str, float], float]] = {}
+        self.fully_async = None
         if not args.debug_train_only:
             self._start_servers()
+        if args.fully_async:
+            from slime.rollout.fully_async import FullyAsyncRollout
+
+            self.fully_async = FullyAsyncRollout(args, self.data_source)
 
     # ---- servers ---------------------------------------------------------------------------------------------
     def _start_servers(self) -> None:
@@ -79,15 +88,20 @@ class RolloutManager:
         """The engines a weight sync must reach, held for it: dead engines are restarted first, and the health
         monitor pauses until `unlock_weight_sync_engines` (paused engines look dead). Each is `{"url",
         "num_gpus", "base_gpu"}`: the model with `update_weights` first in --sglang-config receives weights."""
+        if self.fully_async is not None:
+            self.fully_async.pause()  # no request may reach an engine while it loads (docs/async.md)
         if self.servers is None:
             return []
         self.servers.recover()
         self.servers.pause_health_monitor()
         return self.servers.weight_sync_engines()
 
-    def unlock_weight_sync_engines(self) -> None:
+    def unlock_weight_sync_engines(self, version: int | None = None) -> None:
+        """After a weight sync to `version` (None: it failed or changed nothing); fully-async generation resumes."""
         if self.servers is not None:
             self.servers.resume_health_monitor()
+        if self.fully_async is not None:
+            self.fully_async.resume(version)
 
     # ---- colocated offload (order: docs/architecture.md#colocated-offload) ----------------------------------
     def _offloaded_engines(self) -> list[Any]:
@@ -127,22 +141,67 @@ class RolloutManager:
             samples = [s for s in samples if s.group_id in keep]
         return samples
 
-    def generate(self, rollout_id: int) -> tuple[list[Any] | None, dict[str, float] | None]:
-        """Run one rollout: (one object ref per DP rank, or None under --debug-rollout-only; the rollout's metrics
-        for the driver to log, or None when --custom-rollout-log-function-path logged them itself)."""
+    def rollout(self, rollout_id: int) -> None:
+        """Generate rollout `rollout_id` and keep its samples until `train_data` (the one-step-ahead loop converts
+        rollout k, whose carry-over comes first, before it launches rollout k+1). A rollout restored from a
+        checkpoint (generated but not yet trained when it was saved) is used as is."""
+        if rollout_id in self._pending:
+            return
         t0 = time.perf_counter()
         extra: dict[str, float] = {}
         if self.args.load_debug_rollout_data:
             samples = self._load_dump(rollout_id)
         else:
             out = call_rollout_fn(self.rollout_fn, self.args, rollout_id, self.data_source, evaluation=False)
-            samples = rollout_samples(out.samples)
             extra.update(out.metrics or {})
-            if self.args.save_debug_rollout_data:
-                with atomic_open(dump_path(self.args.save_debug_rollout_data, rollout_id), "wb") as f:
-                    dump = {"rollout_id": rollout_id, "hf_checkpoint": self.args.hf_checkpoint}
-                    torch.save({**dump, "samples": [s.to_dict() for s in samples]}, f)
-        rollout_time = time.perf_counter() - t0
+            # --max-weight-staleness outside --fully-async: groups --partial-rollout recycled may carry old tokens
+            groups, _, stale = filter_stale_groups(
+                out.samples,
+                rollout_id,
+                self.args.max_weight_staleness,
+                self.args.async_unused_samples_handler,
+                self.data_source,
+            )
+            extra.update(stale)
+            extra.update(staleness_metrics(groups, rollout_id))
+            samples = rollout_samples(groups)
+        self._pending[rollout_id] = (samples, extra, time.perf_counter() - t0)
+
+    def train_data(self, rollout_id: int) -> tuple[list[Any] | None, dict[str, float] | None]:
+        """The kept rollout as train data: (one object ref per DP rank, or None under --debug-rollout-only; the
+        rollout's metrics for the driver to log, or None when --custom-rollout-log-function-path logged them)."""
+        samples, extra, rollout_time = self._pending.pop(rollout_id)
+        return self._to_train_data(rollout_id, samples, extra, rollout_time)
+
+    def generate(self, rollout_id: int) -> tuple[list[Any] | None, dict[str, float] | None]:
+        """`rollout` then `train_data`: the synchronous loop's one call per rollout."""
+        self.rollout(rollout_id)
+        return self.train_data(rollout_id)
+
+    # ---- fully async (slime/rollout/fully_async.py) ------------------------------------------------------------
+    def start_producer(self, rollout_id: int) -> None:
+        """Start generating for a trainer at weight version `rollout_id` (the engines just received it)."""
+        self.fully_async.start(rollout_id, engine_version=rollout_id)
+
+    def consume(self, rollout_id: int) -> tuple[list[Any] | None, dict[str, float] | None]:
+        """The next `--rollout-batch-size` finished groups within the staleness bound, as train data."""
+        t0 = time.perf_counter()
+        groups, metrics = self.fully_async.consume(rollout_id)
+        if path := self.args.rollout_sample_filter_path:
+            load_function(path)(self.args, groups)
+        return self._to_train_data(rollout_id, rollout_samples(groups), metrics, time.perf_counter() - t0)
+
+    def stop_producer(self) -> None:
+        if self.fully_async is not None:
+            self.fully_async.stop()
+
+    def _to_train_data(
+        self, rollout_id: int, samples: list[Sample], extra: dict[str, float], rollout_time: float
+    ) -> tuple[list[Any] | None, dict[str, float] | None]:
+        if self.args.save_debug_rollout_data and not self.args.load_debug_rollout_data:
+            with atomic_open(dump_path(self.args.save_debug_rollout_data, rollout_id), "wb") as f:
+                dump = {"rollout_id": rollout_id, "hf_checkpoint": self.args.hf_checkpoint}
+                torch.save({**dump, "samples": [s.to_dict() for s in samples]}, f)
         metrics = {**extra, **self._rollout_metrics(samples)}
         rank_refs = None
         if not self.args.debug_rollout_only:
@@ -171,7 +230,14 @@ class RolloutManager:
         """The eval's metrics for the driver to log (None when --custom-eval-rollout-log-function-path did)."""
         if self.args.eval_prompt_data is None or self.args.debug_train_only:
             return {}
-        out = call_rollout_fn(self.eval_fn, self.args, rollout_id, self.data_source, evaluation=True)
+        if self.fully_async is not None:
+            self.fully_async.pause()  # the eval has the engines to itself; interrupted groups resume after
+            try:
+                out = call_rollout_fn(self.eval_fn, self.args, rollout_id, self.data_source, evaluation=True)
+            finally:
+                self.fully_async.resume()
+        else:
+            out = call_rollout_fn(self.eval_fn, self.args, rollout_id, self.data_source, evaluation=True)
         extra = dict(out.metrics or {})
         metrics = dict(extra)
         for name, d in out.data.items():
@@ -187,10 +253,18 @@ class RolloutManager:
         """Data-source state (position, counters, buffer) and the carried-over groups, atomically per file."""
         rollout_dir = os.path.join(path, "rollout")
         os.makedirs(rollout_dir, exist_ok=True)
-        if self.data_source is not None:
+        if self.fully_async is not None:
+            self.fully_async.save(rollout_id, rollout_dir)  # with the data source, in one step of its loop
+        elif self.data_source is not None:
             call_with_checkpoint_dir(self.data_source.save, rollout_id, rollout_dir)
         with atomic_open(os.path.join(rollout_dir, f"carry_{rollout_id}.json")) as f:
             json.dump(self.carry.state_dict(), f)
+        if self._pending:  # the one-step-ahead loop saves rollout k while rollout k+1, generated, waits to train
+            pending = {
+                rid: ([s.to_dict() for s in samples], extra) for rid, (samples, extra, _) in self._pending.items()
+            }
+            with atomic_open(os.path.join(rollout_dir, f"pending_{rollout_id}.pt"), "wb") as f:
+                torch.save(pending, f)
 
     def load(self, rollout_id: int, path: str) -> None:
         rollout_dir = os.path.join(path, "rollout")
@@ -201,8 +275,23 @@ class RolloutManager:
             with open(carry_path, encoding="utf-8") as f:
                 self.carry.load_state_dict(json.load(f))
             logger.info("resumed %d carried-over groups from %s", len(self.carry), carry_path)
+        pending_path = os.path.join(rollout_dir, f"pending_{rollout_id}.pt")
+        if os.path.exists(pending_path):
+            pending = torch.load(pending_path, weights_only=False)
+            for rid, (samples, extra) in pending.items():
+                self._pending[int(rid)] = ([Sample.from_dict(d) for d in samples], extra, 0.0)
+            if pending:
+                logger.info("resumed generated, untrained rollout(s) %s from %s", sorted(pending), pending_path)
+        if self.fully_async is not None:
+            self.fully_async.load(rollout_id, rollout_dir)
 
     def dispose(self) -> None:
+        if self.fully_async is not None:
+            try:
+                self.fully_async.stop()
+            except Exception:  # noqa: BLE001 - the producer's failure was reported where it happened
+                logger.warning("stopping the fully-async producer failed", exc_info=True)
+            self.fully_async = None
         if self.servers is not None:
             self.servers.dispose()
             self.servers = None

@@ -20,6 +20,7 @@ import aiohttp
 
 from slime.rollout.dataset import load_tokenizer
 from slime.rollout.rm_hub import async_rm, batched_async_rm
+from slime.scheduling.staleness import mark_context_only
 from slime.utils.http_utils import get_session, post_json
 from slime.utils.misc import load_function
 from slime.utils.types import Sample, Status
@@ -224,10 +225,10 @@ async def generate_and_rm(
     args: Any, sample: Sample, sampling_params: dict[str, Any], evaluation: bool = False
 ) -> Sample | list[Sample]:
     """Generate one trajectory (maybe several samples: fan-out) and score it unless `--group-rm` scores later."""
-    if args.partial_rollout and args.mask_offpolicy_in_partial_rollout:
+    if (args.partial_rollout or args.fully_async) and args.mask_offpolicy_in_partial_rollout:
         if sample.response_length > 0:
-            # tokens from an older policy stay in the context but are not trained on
-            sample.loss_mask = [0] * sample.response_length
+            # tokens from an older policy stay in the context but are not trained on (nor count as stale)
+            mark_context_only(sample)
 
     state = GenerateState.get(args)
     result: Sample | list[Sample] = sample

@@ -12,6 +12,7 @@ import asyncio
 import copy
 import logging
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
@@ -34,6 +35,7 @@ from slime.utils.types import Sample, Status
 
 __all__ = [
     "abort",
+    "abort_engines",
     "eval_rollout",
     "generate",
     "generate_and_rm",
@@ -41,6 +43,7 @@ __all__ = [
     "generate_rollout",
     "generate_rollout_async",
     "get_model_url",
+    "seed_group",
 ]
 
 logger = logging.getLogger(__name__)
@@ -51,7 +54,7 @@ def _group_order_key(group: list[Sample | list[Sample]]) -> int:
     return first.index if first.index is not None else -1
 
 
-def _seed_group(args: Any, rollout_id: int, group: list[Sample]) -> None:
+def seed_group(args: Any, rollout_id: int, group: list[Sample]) -> None:
     # Set once, when a sample is first handed to the engines: a partial sample resumed from the buffer (or
     # from a checkpoint) keeps its seed, so the run is reproducible across restarts.
     for s in flatten_group(group):
@@ -59,19 +62,25 @@ def _seed_group(args: Any, rollout_id: int, group: list[Sample]) -> None:
             s.metadata["sampling_seed"] = derive_sampling_seed(int(args.rollout_seed), rollout_id, s.index)
 
 
-async def abort(args: Any, rollout_id: int, pending: dict[asyncio.Task, list[Sample]]) -> list[list[Sample]]:
+AbortEngines = Callable[[], Awaitable[None]]
+
+
+async def abort(
+    args: Any, rollout_id: int, pending: dict[asyncio.Task, list[Sample]], abort_all: AbortEngines | None = None
+) -> list[list[Sample]]:
     """Stop in-flight work; return the groups to recycle (only with `--partial-rollout`).
 
     Without partial rollout the results are discarded, so tasks are cancelled first: waiting on them would
     also wait on slow reward judges (THUDM/slime#2176). With partial rollout the engines are told to abort and
-    the tasks drained, because an aborted `/generate` still returns the tokens produced so far."""
+    the tasks drained, because an aborted `/generate` still returns the tokens produced so far. `abort_all`
+    replaces the call to every engine behind the router (the scheduling simulator passes its engines')."""
     state = GenerateState.get(args)
     state.aborted = True
     partial = bool(args.partial_rollout)
     if not partial:
         for task in pending:
             task.cancel()
-    await _abort_engines(args)
+    await (abort_all() if abort_all is not None else abort_engines(args))
     results = await asyncio.gather(*pending, return_exceptions=True)
     if not partial:
         return []
@@ -87,7 +96,8 @@ async def abort(args: Any, rollout_id: int, pending: dict[asyncio.Task, list[Sam
     return recycled
 
 
-async def _abort_engines(args: Any) -> None:
+async def abort_engines(args: Any) -> None:
+    """`/abort_request {"abort_all": true}` to every worker the router lists: running requests return now."""
     if args.sglang_router_ip is None:
         return
     try:
@@ -124,7 +134,7 @@ def _metrics(args: Any, groups: list[list[Any]], drops: Counter, num_generated: 
 
 
 async def generate_rollout_async(
-    args: Any, rollout_id: int, data_source: Any
+    args: Any, rollout_id: int, data_source: Any, abort_all: AbortEngines | None = None
 ) -> tuple[RolloutFnTrainOutput, list[list[Sample]]]:
     """Returns the accepted groups (sorted by index) and the groups to put back into the buffer."""
     state = GenerateState.get(args)
@@ -147,7 +157,7 @@ async def generate_rollout_async(
                 if not groups:
                     raise RuntimeError("data source returned no groups; cannot fill the rollout batch")
                 for g in groups:
-                    _seed_group(args, rollout_id, g)
+                    seed_group(args, rollout_id, g)
                     task = asyncio.create_task(generate_and_rm_group(args, g, state.sampling_params))
                     pending[task] = g
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -173,7 +183,7 @@ async def generate_rollout_async(
         state.reset()
         raise
 
-    recycled = await abort(args, rollout_id, pending)
+    recycled = await abort(args, rollout_id, pending, abort_all)
     if args.partial_rollout:
         recycled = surplus + recycled
         logger.info("rollout %d: %d group(s) go back to the buffer", rollout_id, len(recycled))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from slime.rollout.arguments import DEFAULT_ROLLOUT_FN
 from slime.utils.errors import SlimeArgError
 
 
@@ -72,3 +73,120 @@ def validate_batching_args(args: argparse.Namespace) -> None:
     for name in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise SlimeArgError(f"--{name.replace('_', '-')} must be >= 1")
+
+
+# flags that shape the fully-async producer; refused without --fully-async (they would do nothing)
+FULLY_ASYNC_ONLY = {
+    "async_max_concurrent_samples": None,
+    "async_data_buffer_capacity_factor": 2.0,
+    "custom_async_data_buffer_path": None,
+}
+
+
+def add_async_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("async training (docs/async.md)")
+    g.add_argument(
+        "--one-step-ahead",
+        action="store_true",
+        help="generate rollout k+1 while step k trains (data one weight version old); before each weight sync "
+        "the rollout in flight finishes first",
+    )
+    g.add_argument(
+        "--fully-async",
+        action="store_true",
+        help="a background producer keeps groups in flight and the trainer consumes finished groups from a "
+        "bounded buffer; a weight sync pauses generation, loads and continues (interrupted groups resume)",
+    )
+    g.add_argument(
+        "--async-max-concurrent-samples",
+        type=int,
+        default=FULLY_ASYNC_ONLY["async_max_concurrent_samples"],
+        help="samples in flight under --fully-async, floored to whole groups (default: one rollout batch)",
+    )
+    g.add_argument(
+        "--async-data-buffer-capacity-factor",
+        type=float,
+        default=FULLY_ASYNC_ONLY["async_data_buffer_capacity_factor"],
+        help="finished groups the buffer holds, as a multiple of --rollout-batch-size; the producer waits when full",
+    )
+    g.add_argument(
+        "--max-weight-staleness",
+        type=int,
+        default=None,
+        help="largest staleness a trained group may have: trainer weight version at consumption minus the oldest "
+        "version among the group's trained tokens; groups over it are handled by --async-unused-samples-handler",
+    )
+    g.add_argument(
+        "--async-unused-samples-handler",
+        choices=["retry", "drop"],
+        default="retry",
+        help="a group over --max-weight-staleness: retry (its prompts are generated again, once) or drop",
+    )
+    g.add_argument(
+        "--custom-async-data-buffer-path",
+        default=FULLY_ASYNC_ONLY["custom_async_data_buffer_path"],
+        help="class built as Class(args, capacity) replacing the fully-async buffer of finished groups "
+        "(members: capacity, __len__, __iter__, put, pop; slime/scheduling/group_buffer.py)",
+    )
+
+
+def inherent_staleness(mode: str, update_weights_interval: int) -> int:
+    """The staleness a mode's schedule gives every batch by itself: the bound may not be lower."""
+    return update_weights_interval if mode == "one_step" else update_weights_interval - 1
+
+
+def validate_async_args(args: argparse.Namespace) -> None:
+    """Combinations that cannot work are refused here, before Ray starts."""
+    if args.fully_async and args.one_step_ahead:
+        raise SlimeArgError("--fully-async and --one-step-ahead are two different schedules; pick one")
+    mode = "fully_async" if args.fully_async else "one_step" if args.one_step_ahead else "sync"
+    flag = "--fully-async" if args.fully_async else "--one-step-ahead"
+    if not args.fully_async:
+        for dest, default in FULLY_ASYNC_ONLY.items():
+            if getattr(args, dest) != default:
+                raise SlimeArgError(f"--{dest.replace('_', '-')} only applies with --fully-async")
+    if mode != "sync":
+        if args.colocate:
+            raise SlimeArgError(
+                f"{flag} overlaps generation and training, which --colocate time-shares on the same GPUs; "
+                "drop --colocate and give the engines their own --rollout-num-gpus"
+            )
+        if args.debug_rollout_only or args.debug_train_only:
+            raise SlimeArgError(f"{flag} needs both engines and trainer; the debug modes run one of them")
+    if args.fully_async:
+        if args.rollout_function_path != DEFAULT_ROLLOUT_FN:
+            raise SlimeArgError(
+                "--fully-async generates with its own producer and cannot call a custom --rollout-function-path; "
+                "customise per sample with --custom-generate-function-path"
+            )
+        if args.partial_rollout:
+            raise SlimeArgError(
+                "--fully-async always resumes interrupted groups (it is the partial-rollout path); "
+                "drop --partial-rollout"
+            )
+        if args.over_sampling_batch_size not in (None, args.rollout_batch_size):
+            raise SlimeArgError("--over-sampling-batch-size has no meaning with --fully-async (nothing is aborted)")
+        if args.rollout_all_samples_process_path:
+            raise SlimeArgError(
+                "--rollout-all-samples-process-path sees one rollout's generated groups; --fully-async has no "
+                "rollouts (use --rollout-sample-filter-path, applied to each consumed batch)"
+            )
+        n = args.n_samples_per_prompt
+        if args.async_max_concurrent_samples is not None and args.async_max_concurrent_samples < n:
+            raise SlimeArgError(
+                f"--async-max-concurrent-samples {args.async_max_concurrent_samples} is less than one group "
+                f"(--n-samples-per-prompt {n})"
+            )
+        if int(args.async_data_buffer_capacity_factor * args.rollout_batch_size) < 1:
+            raise SlimeArgError("--async-data-buffer-capacity-factor x --rollout-batch-size must hold >= 1 group")
+    k = args.max_weight_staleness
+    if k is not None:
+        if k < 0:
+            raise SlimeArgError("--max-weight-staleness must be >= 0")
+        floor = inherent_staleness(mode, args.update_weights_interval)
+        if k < floor:
+            raise SlimeArgError(
+                f"--max-weight-staleness {k} is below the staleness every batch has in this schedule ({floor}: "
+                f"{mode.replace('_', '-')} with --update-weights-interval {args.update_weights_interval}); "
+                f"raise it to >= {floor}"
+            )

@@ -42,6 +42,11 @@ class Sample:
     reward: float | dict[str, Any] | None = None
     loss_mask: list[int] | None = None
     weight_versions: list[str] = field(default_factory=list)
+    # One entry per `/generate` answer: [weight version, response tokens it produced, trained]. `trained` turns
+    # False when --mask-offpolicy-in-partial-rollout masks the tokens out on resume. The staleness bound reads
+    # it (slime/scheduling/staleness.py): one version per answer is exact because a weight sync aborts the
+    # running requests first, so no answer spans two versions.
+    weight_version_spans: list[list[Any]] = field(default_factory=list)
     rollout_log_probs: list[float] | None = None
     rollout_routed_experts: Any = None
     remove_sample: bool = False
@@ -99,6 +104,8 @@ class Sample:
         """Fold an SGLang `/generate` answer's `meta_info` into the sample (status, weight version, cache stats)."""
         if (wv := meta_info.get("weight_version")) is not None:
             self.weight_versions.append(str(wv))
+            if "completion_tokens" in meta_info:
+                self.weight_version_spans.append([str(wv), int(meta_info["completion_tokens"]), True])
         if "cached_tokens" in meta_info:
             self.prefix_cache_info["cached_tokens"] = self.prefix_cache_info.get("cached_tokens", 0) + int(
                 meta_info["cached_tokens"]

@@ -1,0 +1,478 @@
+"""Fully-async rollout: a producer keeps groups in flight, a bounded buffer holds finished ones, and the trainer
+consumes `rollout_batch_size` groups per step through a staleness filter.
+
+Pure asyncio. What generates a group is injected (`GroupGenerator`), so the same code runs against SGLang
+engines on the RolloutManager's event loop and against simulated engines on a virtual clock (`sim/scheduling`).
+
+The life of a group:
+
+1. **Dispatch.** The producer takes one group from the data source (its buffer first: aborted and retried groups
+   resume before fresh prompts). A resumed group whose tokens are already too old for the next consume is
+   settled at once as stale (step 3) instead of being generated to its end. It dispatches while (a) it is not
+   paused, (b) fewer than `max_in_flight_groups` groups generate, (c) the finished-groups buffer has room, and
+   (d) with a staleness bound `k`, the group could still be consumed in time: with `ahead` groups queued before
+   it (in flight or buffered) it trains at step `next_consume + ahead // B` at the earliest, and its tokens are
+   no older than the engines' version `E`, so it is admitted only while `ahead < (k + E − next_consume + 1) × B`.
+   This keeps the producer from generating work that is bound to be stale; it does not guarantee freshness (a
+   long answer can be overtaken), the filter of step 3 does.
+2. **Finish.** A group with an aborted sample (a weight sync, an eval or a stop interrupted it) goes back to the
+   data source's buffer, the same path `--partial-rollout` uses, and resumes from its tokens with the rest of
+   its budget. A group the dynamic filter rejects is dropped and counted. Anything else waits for room in the
+   buffer.
+3. **Consume.** The trainer at version `v` pops groups; a group with staleness `v − oldest trained-token
+   version > k` is retried (its prompts start over, once) or dropped per `--async-unused-samples-handler`,
+   and counted. A retried group that is stale again is dropped: its generation takes longer than the bound
+   allows, and retrying it forever would loop.
+
+Every prompt handed out is thus trained once, dropped (counted, with its prompt index), or still in the run
+(buffered, in flight or waiting in the data source) — the property tests check exactly this.
+
+Checkpoints (`state_dict`) hold the buffer, each in-flight group as it was when dispatched, and the consumed
+and dropped prompt indices; taken in one step of the event loop, so nothing moves meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from slime.scheduling.group_buffer import Group, GroupBufferLike, group_from_json, group_to_json
+from slime.scheduling.staleness import (
+    flatten,
+    group_min_version,
+    group_staleness,
+    reset_for_retry,
+    stamp_dispatch_version,
+)
+from slime.utils.types import Status
+
+logger = logging.getLogger(__name__)
+
+RETRIES_KEY = "async_stale_retries"  # sample metadata: how often the group was regenerated for staleness
+_STATE_VERSION = 1
+
+
+class GroupGenerator(Protocol):
+    """What the producer needs from the inference side."""
+
+    async def run_group(self, group: Group) -> Group:
+        """Generate (and score) one prompt group; samples interrupted by `abort_all` come back ABORTED."""
+
+    async def abort_all(self) -> None:
+        """Make every running request, and every one about to start, return now with its tokens so far."""
+
+    def allow(self) -> None:
+        """Requests may start again (after `abort_all`)."""
+
+
+class DataSourceLike(Protocol):
+    def get_samples(self, num_groups: int) -> list[Group]: ...
+
+    def add_samples(self, groups: list[Group]) -> None: ...
+
+
+@dataclass
+class AsyncConfig:
+    batch_size: int  # groups the trainer consumes per step (--rollout-batch-size)
+    max_in_flight_groups: int  # --async-max-concurrent-samples floored to whole groups
+    max_staleness: int | None = None  # --max-weight-staleness; None: unbounded
+    unused_handler: str = "retry"  # --async-unused-samples-handler: retry | drop
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.max_in_flight_groups < 1:
+            raise ValueError("batch_size and max_in_flight_groups must be >= 1")
+        if self.unused_handler not in ("retry", "drop"):
+            raise ValueError(f"unused_handler must be retry or drop, got {self.unused_handler!r}")
+
+
+@dataclass
+class _Counters:
+    consumed_groups: int = 0
+    stale_groups: int = 0
+    stale_retried: int = 0
+    stale_dropped: int = 0
+    filtered_groups: int = 0
+    aborted_groups: int = 0
+    producer_wait_s: float = 0.0
+    trainer_wait_s: float = 0.0
+    staleness: list[int] = field(default_factory=list)  # of the groups consumed since the last report
+
+
+def settle_stale_group(group: Group, handler: str, source: DataSourceLike) -> bool:
+    """A group over the staleness bound: with `retry`, its prompts go back to `source` to be generated again
+    from scratch (True); a group already retried once, or any group under `drop`, is dropped (False)."""
+    retries = int(flatten(group)[0].metadata.get(RETRIES_KEY, 0))
+    if handler != "retry" or retries > 0:
+        return False
+    fresh = reset_for_retry(group)
+    for s in fresh:
+        s.metadata[RETRIES_KEY] = retries + 1
+    source.add_samples([fresh])
+    return True
+
+
+def filter_stale_groups(
+    groups: list[Group], trainer_version: int, max_staleness: int | None, handler: str, source: DataSourceLike
+) -> tuple[list[Group], list[Group], dict[str, float]]:
+    """The staleness bound outside the fully-async buffer (a rollout's groups, e.g. ones --partial-rollout
+    recycled with old tokens): (the groups within it, the groups dropped, the counts)."""
+    if max_staleness is None:
+        return groups, [], {}
+    kept, stale = [], []
+    for g in groups:
+        group = g if isinstance(g, list) else [g]
+        (stale if group_staleness(group, trainer_version) > max_staleness else kept).append(g)
+    if not stale:
+        return kept, [], {}
+    dropped = [g for g in stale if not settle_stale_group(g if isinstance(g, list) else [g], handler, source)]
+    return (
+        kept,
+        dropped,
+        {
+            "async/stale_groups": float(len(stale)),
+            "async/stale_retried_groups": float(len(stale) - len(dropped)),
+            "async/stale_dropped_groups": float(len(dropped)),
+        },
+    )
+
+
+def _prompt_index(group: Group) -> int:
+    first = flatten(group)[0]
+    if first.group_index is None:
+        raise ValueError("a fully-async group has no group_index; the data source must set Sample.group_index")
+    return first.group_index
+
+
+def _unfinished(group: Group) -> bool:
+    """Interrupted: a sample aborted mid-answer, or never started (the abort flag was up when its turn came)."""
+    return any(s.status in (Status.ABORTED, Status.PENDING) for s in flatten(group))
+
+
+class AsyncRollout:
+    """The producer, the buffer and the staleness filter of one fully-async run (one event loop)."""
+
+    def __init__(
+        self,
+        config: AsyncConfig,
+        source: DataSourceLike,
+        buffer: GroupBufferLike,
+        generator: GroupGenerator,
+        keep_group: Callable[[Group], tuple[bool, str | None]] | None = None,
+        engine_version: int | None = None,
+    ) -> None:
+        self.config = config
+        self.source = source
+        self.buffer = buffer
+        self.generator = generator
+        self.keep_group = keep_group
+        self.engine_version = engine_version
+        self.next_consume: int | None = None  # the trainer version of the next consume
+        self.consumed_ids: list[int] = []
+        self.dropped_ids: list[int] = []
+        self._in_flight: dict[asyncio.Task, tuple[bytes, int]] = {}  # task -> (group as dispatched, samples)
+        self._generating: set[asyncio.Task] = set()  # the subset whose requests still occupy engines
+        self._changed = asyncio.Event()
+        self._paused = False
+        self._failure: BaseException | None = None
+        self._producer: asyncio.Task | None = None
+        self._window = _Counters()
+        self._total = _Counters()
+        self._max_buffer = 0
+
+    # ---- what is where ---------------------------------------------------------------------------------
+    @property
+    def in_flight_groups(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def in_flight_samples(self) -> int:
+        return sum(n for _, n in self._in_flight.values())
+
+    def totals(self) -> dict[str, float]:
+        """Counts over the whole run (the per-step metrics are `consume`'s)."""
+        t = self._total
+        return {
+            "consumed_groups": t.consumed_groups,
+            "stale_groups": t.stale_groups,
+            "stale_retried_groups": t.stale_retried,
+            "stale_dropped_groups": t.stale_dropped,
+            "filtered_groups": t.filtered_groups,
+            "aborted_groups": t.aborted_groups,
+            "producer_wait_s": t.producer_wait_s,
+            "trainer_wait_s": t.trainer_wait_s,
+        }
+
+    @property
+    def max_buffer_size(self) -> int:
+        """The largest the buffer has been (a property test checks it never exceeds the capacity)."""
+        return self._max_buffer
+
+    def _loop_time(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def _notify(self) -> None:
+        self._changed.set()
+
+    async def _wait(self, predicate: Callable[[], bool]) -> float:
+        """Wait until `predicate()`; returns the time waited. Raises the producer's failure if it has one."""
+        t0 = self._loop_time()
+        while not predicate():
+            if self._failure is not None:
+                raise RuntimeError("the fully-async producer failed") from self._failure
+            self._changed.clear()
+            await self._changed.wait()
+        if self._failure is not None:
+            raise RuntimeError("the fully-async producer failed") from self._failure
+        return self._loop_time() - t0
+
+    # ---- producer --------------------------------------------------------------------------------------
+    def start(self, next_consume: int) -> None:
+        """Start producing for a trainer whose next consume is at weight version `next_consume`."""
+        self.next_consume = next_consume
+        if self._producer is None:
+            self._producer = asyncio.get_running_loop().create_task(self._produce(), name="async-rollout-producer")
+
+    def _admit_limit(self) -> int | None:
+        """How many groups may be queued ahead of a new one (in flight + buffered) under the staleness bound."""
+        k = self.config.max_staleness
+        if k is None or self.next_consume is None or self.engine_version is None:
+            return None
+        return (k + self.engine_version - self.next_consume + 1) * self.config.batch_size
+
+    def _room(self) -> bool:
+        if self._paused or len(self._generating) >= self.config.max_in_flight_groups:
+            return False
+        if len(self.buffer) >= self.buffer.capacity:
+            return False
+        limit = self._admit_limit()
+        return limit is None or len(self._in_flight) + len(self.buffer) < limit
+
+    def _blocked_by_consumer(self) -> bool:
+        """Waiting for the trainer (a full buffer, or the staleness admission), as opposed to normal work."""
+        return not self._paused and len(self._generating) < self.config.max_in_flight_groups
+
+    async def _produce(self) -> None:
+        try:
+            while True:
+                if not self._room():
+                    blocked = self._blocked_by_consumer()
+                    waited = await self._wait(self._room)
+                    if blocked:
+                        self._window.producer_wait_s += waited
+                        self._total.producer_wait_s += waited
+                groups = self.source.get_samples(1)
+                if not groups:
+                    raise RuntimeError("the data source returned no group; the fully-async producer cannot continue")
+                if self._doomed(groups[0]):
+                    self._handle_stale(groups[0])  # it could never train: settle it now, not after generating it
+                    continue
+                self._dispatch(groups[0])
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            logger.exception("fully-async producer failed")
+            self._failure = e
+            self._notify()
+            raise
+
+    def _doomed(self, group: Group) -> bool:
+        """A resumed group whose tokens already exceed the bound for the next consume: versions only grow, so it
+        can never be consumed. Every weight sync interrupts the groups in flight and they come back through the
+        data source, so each is checked here once per sync."""
+        k = self.config.max_staleness
+        if k is None or self.next_consume is None:
+            return False
+        oldest = group_min_version(group)
+        return oldest is not None and self.next_consume - oldest > k
+
+    def _dispatch(self, group: Group) -> None:
+        stamp_dispatch_version(group, self.engine_version)
+        snapshot = pickle.dumps(group, protocol=pickle.HIGHEST_PROTOCOL)
+        task = asyncio.get_running_loop().create_task(self._generate(group))
+        self._in_flight[task] = (snapshot, len(flatten(group)))
+        self._generating.add(task)
+
+    async def _generate(self, group: Group) -> None:
+        task = asyncio.current_task()
+        try:
+            result = await self.generator.run_group(group)
+        except asyncio.CancelledError:
+            snapshot, _ = self._in_flight.pop(task)
+            self.source.add_samples([pickle.loads(snapshot)])  # as dispatched: it starts again later
+            raise
+        except BaseException as e:
+            logger.exception("generating a fully-async group failed")
+            self._failure = e
+            self._in_flight.pop(task, None)
+            raise
+        finally:
+            self._generating.discard(task)
+            self._notify()  # an engine slot is free (or the failure is visible)
+        try:
+            if _unfinished(result):
+                self._window.aborted_groups += 1
+                self._total.aborted_groups += 1
+                self.source.add_samples([result])  # resumes from its tokens, like a partial rollout
+                return
+            if self.keep_group is not None:
+                keep, reason = self.keep_group(result)
+                if not keep:
+                    logger.debug("dynamic filter dropped group %d (%s)", _prompt_index(result), reason)
+                    self._window.filtered_groups += 1
+                    self._total.filtered_groups += 1
+                    self.dropped_ids.append(_prompt_index(result))
+                    return
+            try:
+                await self._wait(lambda: len(self.buffer) < self.buffer.capacity)
+            except asyncio.CancelledError:
+                self.source.add_samples([result])  # finished; it passes through generation unchanged later
+                raise
+            self.buffer.put(result)
+            self._max_buffer = max(self._max_buffer, len(self.buffer))
+        finally:
+            self._in_flight.pop(task, None)
+            self._notify()
+
+    # ---- engines paused (weight sync, eval) --------------------------------------------------------------
+    async def pause(self, poll_s: float = 1.0) -> None:
+        """Stop dispatching and interrupt every running request; returns once no request occupies an engine.
+        Interrupted groups go back to the data source and resume after `resume`. `abort_all` is repeated until
+        they are all back, so a request that reached its engine just after an abort is caught by the next."""
+        self._paused = True
+        self._notify()
+        while self._generating:
+            await self.generator.abort_all()
+            if self._generating:  # they may all have come back while the abort was being sent
+                await asyncio.wait(set(self._generating), timeout=poll_s)
+        if self._failure is not None:
+            raise RuntimeError("the fully-async producer failed") from self._failure
+
+    def resume(self, engine_version: int | None = None) -> None:
+        """Generation may continue, with the engines now at `engine_version` (when given)."""
+        if engine_version is not None:
+            self.engine_version = engine_version
+        self.generator.allow()
+        self._paused = False
+        self._notify()
+
+    async def stop(self) -> None:
+        """Stop producing. Afterwards every group not consumed or dropped is in the buffer or the data source:
+        interrupted ones resume from their tokens, finished ones waiting for room pass through unchanged."""
+        if self._producer is not None:
+            self._producer.cancel()
+            await asyncio.gather(self._producer, return_exceptions=True)
+            self._producer = None
+        await self.pause()
+        # groups that finished but wait for room in the buffer go back to the data source
+        waiting = list(self._in_flight)
+        for t in waiting:
+            t.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+
+    # ---- consumer ----------------------------------------------------------------------------------------
+    async def consume(self, rollout_id: int) -> tuple[list[Group], dict[str, float]]:
+        """`batch_size` groups for the trainer at weight version `rollout_id`, each within the staleness bound."""
+        self.next_consume = rollout_id
+        self._notify()
+        k = self.config.max_staleness
+        taken: list[Group] = []
+        waited = 0.0
+        while len(taken) < self.config.batch_size:
+            waited += await self._wait(lambda: len(self.buffer) > 0)
+            for group in self.buffer.pop(self.config.batch_size - len(taken)):
+                staleness = group_staleness(group, rollout_id)
+                if k is not None and staleness > k:
+                    self._handle_stale(group)
+                else:
+                    taken.append(group)
+                    self._window.staleness.append(staleness)
+            self._notify()
+        self.next_consume = rollout_id + 1
+        self._window.trainer_wait_s += waited
+        self._total.trainer_wait_s += waited
+        self._window.consumed_groups += len(taken)
+        self._total.consumed_groups += len(taken)
+        self.consumed_ids.extend(_prompt_index(g) for g in taken)
+        self._notify()
+        taken.sort(key=lambda g: flatten(g)[0].index if flatten(g)[0].index is not None else -1)
+        return taken, self._report()
+
+    def _handle_stale(self, group: Group) -> None:
+        self._window.stale_groups += 1
+        self._total.stale_groups += 1
+        if settle_stale_group(group, self.config.unused_handler, self.source):
+            self._window.stale_retried += 1
+            self._total.stale_retried += 1
+        else:
+            self.dropped_ids.append(_prompt_index(group))
+            self._window.stale_dropped += 1
+            self._total.stale_dropped += 1
+
+    def _report(self) -> dict[str, float]:
+        """Metrics since the previous consume (rates) plus the state now (sizes, totals)."""
+        w = self._window
+        m: dict[str, float] = {
+            "async/buffer_size": float(len(self.buffer)),
+            "async/in_flight_groups": float(self.in_flight_groups),
+            "async/in_flight_samples": float(self.in_flight_samples),
+            "async/stale_groups": float(w.stale_groups),
+            "async/stale_retried_groups": float(w.stale_retried),
+            "async/stale_dropped_groups": float(w.stale_dropped),
+            "async/filtered_groups": float(w.filtered_groups),
+            "async/aborted_groups": float(w.aborted_groups),
+            "async/producer_wait_s": w.producer_wait_s,
+            "async/trainer_wait_s": w.trainer_wait_s,
+            "async/dropped_groups_total": float(len(self.dropped_ids)),
+            "async/engine_version": float(self.engine_version if self.engine_version is not None else -1),
+        }
+        if w.staleness:
+            m["async/staleness_mean"] = sum(w.staleness) / len(w.staleness)
+            m["async/staleness_max"] = float(max(w.staleness))
+        versions = [v for v in map(group_min_version, self.buffer) if v is not None]
+        if versions and self.next_consume is not None:
+            m["async/buffer_staleness_max"] = float(self.next_consume - min(versions))
+        self._window = _Counters()
+        return m
+
+    # ---- checkpoint --------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able; synchronous, so taken within one step of the event loop."""
+        return {
+            "version": _STATE_VERSION,
+            "buffer": [group_to_json(g) for g in self.buffer],
+            "in_flight": [group_to_json(pickle.loads(s)) for s, _ in self._in_flight.values()],
+            "consumed_ids": list(self.consumed_ids),
+            "dropped_ids": list(self.dropped_ids),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Buffered groups return to the buffer (overflow, after a smaller capacity, to the data source), in-flight
+        groups to the data source's buffer as dispatched; a group whose prompt was already consumed is skipped."""
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"fully-async state version {state.get('version')}; expected {_STATE_VERSION}")
+        self.consumed_ids = list(state["consumed_ids"])
+        self.dropped_ids = list(state["dropped_ids"])
+        done = set(self.consumed_ids) | set(self.dropped_ids)
+        overflow: list[Group] = []
+        for data in state["buffer"]:
+            group = group_from_json(data)
+            if _prompt_index(group) in done:
+                logger.warning(
+                    "checkpointed buffer holds group %d, already trained or dropped; skipped", _prompt_index(group)
+                )
+            elif len(self.buffer) < self.buffer.capacity:
+                self.buffer.put(group)
+            else:
+                overflow.append(group)
+        resumed = [group_from_json(d) for d in state["in_flight"]]
+        resumed = [g for g in resumed if _prompt_index(g) not in done]
+        if overflow or resumed:
+            self.source.add_samples(overflow + resumed)
+        logger.info(
+            "fully-async state: %d buffered, %d resumed in flight, %d consumed, %d dropped",
+            len(self.buffer), len(overflow) + len(resumed), len(self.consumed_ids), len(self.dropped_ids),
+        )  # fmt: skip
