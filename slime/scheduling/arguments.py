@@ -153,6 +153,11 @@ def validate_async_args(args: argparse.Namespace) -> None:
             )
         if args.debug_rollout_only or args.debug_train_only:
             raise SlimeArgError(f"{flag} needs both engines and trainer; the debug modes run one of them")
+        if args.advantage_estimator == "ppo" or args.megatron_config:
+            raise SlimeArgError(
+                f"{flag} trains the actor alone; PPO's critic and --megatron-config roles run in the synchronous "
+                "loop only (drop the async flag)"
+            )
     if args.fully_async:
         if args.rollout_function_path != DEFAULT_ROLLOUT_FN:
             raise SlimeArgError(
