@@ -131,7 +131,7 @@ def real_sync_loop(args: Any, resume_from: int | None, tmp_dir: str) -> list[tup
         mp.setattr(ray, "get", lambda x, timeout=None: x)
         mp.setattr(ray, "shutdown", lambda: None)
         mp.setattr(ray, "remote", lambda cls: _ManagerClass(events))
-        mp.setattr(train_actor, "RayTrainGroup", lambda a, p: _Actors(events, a))
+        mp.setattr(train_actor, "RayTrainGroup", lambda a, p, role="actor": _Actors(events, a))
         mp.setattr(
             checkpoint, "find_checkpoint", lambda root: (resume_from, "ckpt") if resume_from is not None else None
         )
