@@ -18,6 +18,7 @@ import time
 from argparse import Namespace
 from typing import Any
 
+from slime.ray.run_end import shut_down, write_summary
 from slime.scheduling.driver import LoopPlan, run_loop
 
 logger = logging.getLogger(__name__)
@@ -164,15 +165,7 @@ def train_async(args: Namespace) -> dict:
         if backend.last_eval:
             logger.info("final eval: %s", step_line({}, backend.last_eval))
     finally:
-        if manager is not None:
-            try:
-                ray.get(manager.dispose.remote(), timeout=120)
-            except Exception:  # noqa: BLE001 - shutting down anyway
-                logger.warning("rollout manager dispose failed", exc_info=True)
-        tracker.close()
-        ray.shutdown()
-    summary_path = os.path.join(args.metrics_dir, "summary.json")
-    with open(summary_path, "w") as f:
-        json.dump(summary, f, indent=1, default=str)
+        shut_down(manager, tracker)
+    summary_path = write_summary(args, summary)
     logger.info("done: %d rollouts (%s); summary in %s", len(summary["hashes"]), plan.mode, summary_path)
     return summary

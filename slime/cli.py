@@ -7,18 +7,19 @@ from __future__ import annotations
 
 import os
 import sys
+from argparse import Namespace
 
 from slime.utils.errors import SlimeArgError
 
 USAGE = "usage: slime {train,plan,gateway,inspect} [flags]   (slime train --help lists the flags)"
 
 
-def _run_failed(e: BaseException, args: object) -> int:
+def _run_failed(e: BaseException, args: Namespace) -> int:
     """A failure inside the run (an actor, an engine, the router): its own message in full, not the layers of
     Ray wrapping around it, and where the logs are."""
     cause = getattr(e, "cause", None) or e  # a RayTaskError carries the actor's exception
     print(f"slime: error: {type(cause).__name__}: {cause}", file=sys.stderr)
-    metrics_dir = getattr(args, "metrics_dir", None)
+    metrics_dir = args.metrics_dir
     if metrics_dir:
         print(
             f"slime: logs of the run's processes: {metrics_dir}/logs/ (actors), {metrics_dir}/servers/ (engines, "

@@ -65,6 +65,7 @@ def train(args: Namespace) -> dict:
     from slime.backends.megatron.roles import role_args
     from slime.ray.placement import create_placement_group, init_ray
     from slime.ray.rollout_manager import RolloutManager
+    from slime.ray.run_end import shut_down, write_summary
     from slime.ray.train_actor import TrainModels
     from slime.utils.tracking import Tracker, progress, step_line
 
@@ -168,15 +169,7 @@ def train(args: Namespace) -> dict:
             evaluate(args.num_rollout)
             logger.info("final eval: %s", step_line({}, last_eval))
     finally:
-        if manager is not None:
-            try:
-                ray.get(manager.dispose.remote(), timeout=120)
-            except Exception:  # noqa: BLE001 - shutting down anyway
-                logger.warning("rollout manager dispose failed", exc_info=True)
-        tracker.close()
-        ray.shutdown()
-    summary_path = os.path.join(args.metrics_dir, "summary.json")
-    with open(summary_path, "w") as f:
-        json.dump(summary, f, indent=1, default=str)
+        shut_down(manager, tracker)
+    summary_path = write_summary(args, summary)
     logger.info("done: %d rollouts; summary in %s", len(summary["hashes"]) or args.num_rollout, summary_path)
     return summary
