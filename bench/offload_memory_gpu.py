@@ -121,7 +121,7 @@ def job_flags(a: argparse.Namespace, model: Path, prompts: Path, metrics: Path) 
     return [*precision,
         "--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--input-key", "input",
         "--rm-type", "random", "--rollout-engine", "sim", "--sim-engine", "hf",
-        "--colocate", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1",
+        "--colocate", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", str(a.gpus),
         "--advantage-estimator", "ppo", "--rollout-batch-size", str(a.prompts), "--n-samples-per-prompt", "2",
         "--global-batch-size", str(2 * a.prompts), "--num-rollout", str(a.rollouts),
         "--rollout-max-response-len", str(a.response_len), "--use-dynamic-batch-size",
@@ -186,7 +186,7 @@ def plan_components(model: Path, a: argparse.Namespace, capacity: int) -> dict[s
         gpu = not a.cpu_smoke  # the CPU smoke run trains in fp32 with the plain optimizer
         cfg = MemoryConfig(actor=shape, critic=shape, bf16=gpu, distributed_optimizer=gpu, policy=policy,
                            colocated=True, gpu_capacity=capacity, train_tokens=a.tokens, logprob_tokens=a.tokens,
-                           adam_foreach=foreach)  # fmt: skip
+                           adam_foreach=foreach, dp=a.gpus)  # fmt: skip
         stage = build_memory_plan(cfg).stages[0]
         out[policy] = {
             "params": {r: st.params for r, st in stage.roles.items()},
@@ -222,28 +222,45 @@ def report(res: dict[str, Any]) -> str:
         lines.append(f"{role:<8}{h['default'] / gib:>10.2f}{h['legacy'] / gib:>10.2f}{saving / gib:>10.2f}"
                      f"{expect / gib:>14.2f}{100 * (saving / expect - 1):>7.1f}%{ledger / gib:>15.2f}")  # fmt: skip
     lines.append("")
-    lines.append("host bytes the offloaders booked while asleep (GiB) vs the plan")
+    lines.append("host bytes of each sleeping trainer (GiB): booked by its offloader / measured RSS+pinned / plan")
     for role in ("actor", "critic"):
-        cells = []
-        for pol, plan_pol in (("default", "v0.3.0"), ("legacy", "legacy")):
-            booked = meas.get(pol, {}).get(f"memory/{role}_host_asleep_bytes")
-            planned = plan.get(plan_pol, {}).get("host_asleep", {}).get(role)
-            if booked is not None and planned:
-                cells.append(f"{pol} {booked / gib:.2f} / plan {planned / gib:.2f}")
-        lines.append(f"{role:<8}" + ("; ".join(cells) or "(missing)"))
+        for rank in range(int(res.get("gpus", 1))):
+            pre = "memory/" if rank == 0 else f"memory/rank{rank}/"
+            cells = []
+            for pol, plan_pol in (("default", "v0.3.0"), ("legacy", "legacy")):
+                m = {k.replace(pre, "memory/", 1): v for k, v in meas.get(pol, {}).items() if k.startswith(pre)}
+                booked = m.get(f"memory/{role}_host_asleep_bytes")
+                seen = host_bytes(m, role, res.get("probe", {}))
+                planned = plan.get(plan_pol, {}).get("host_asleep", {}).get(role)
+                if booked is not None and seen is not None and planned:
+                    cells.append(f"{pol} {booked / gib:.2f} / {seen / gib:.2f} / plan {planned / gib:.2f}")
+                    res.setdefault("host_vs_plan", {})[f"{pol}_{role}_rank{rank}"] = {
+                        "booked": booked,
+                        "measured": seen,
+                        "plan": planned,
+                        "rel_error": booked / planned - 1,
+                    }
+            lines.append(f"{role:<8}rank {rank}  " + ("; ".join(cells) or "(missing)"))
     lines.append("")
-    lines.append("GPU peak per trainer phase (GiB): torch.cuda.max_memory_allocated vs the memory plan")
-    lines.append(f"{'phase':<17}{'default':>10}{'legacy':>10}{'plan':>10}{'error':>8}")
+    lines.append("GPU peak per trainer phase and rank (GiB): torch.cuda.max_memory_allocated vs the memory plan")
+    lines.append(f"{'phase':<17}{'rank':>5}{'default':>10}{'legacy':>10}{'plan':>10}{'error':>8}")
     for ph in PHASES:
-        m = {p: meas.get(p, {}).get(f"memory/{ph}_peak_bytes") for p in ("default", "legacy")}
-        pv = plan.get("v0.3.0", {}).get("gpu", {}).get(ph)
-        if pv is None or m["default"] is None:
-            lines.append(f"{ph:<17} (missing)")
-            continue
-        err = m["default"] / pv - 1
-        res.setdefault("verdict", {})[f"gpu_{ph}"] = {"measured": m["default"], "plan": pv, "rel_error": err}
-        leg = f"{m['legacy'] / gib:>10.2f}" if m["legacy"] is not None else f"{'-':>10}"
-        lines.append(f"{ph:<17}{m['default'] / gib:>10.2f}{leg}{pv / gib:>10.2f}{100 * err:>7.1f}%")
+        for rank in range(int(res.get("gpus", 1))):
+            key = f"memory/{ph}_peak_bytes" if rank == 0 else f"memory/rank{rank}/{ph}_peak_bytes"
+            m = {p: meas.get(p, {}).get(key) for p in ("default", "legacy")}
+            pv = plan.get("v0.3.0", {}).get("gpu", {}).get(ph)
+            if pv is None or m["default"] is None:
+                lines.append(f"{ph:<17}{rank:>5} (missing)")
+                continue
+            err = m["default"] / pv - 1
+            suffix = "" if rank == 0 else f"_rank{rank}"
+            res.setdefault("verdict", {})[f"gpu_{ph}{suffix}"] = {
+                "measured": m["default"],
+                "plan": pv,
+                "rel_error": err,
+            }
+            leg = f"{m['legacy'] / gib:>10.2f}" if m["legacy"] is not None else f"{'-':>10}"
+            lines.append(f"{ph:<17}{rank:>5}{m['default'] / gib:>10.2f}{leg}{pv / gib:>10.2f}{100 * err:>7.1f}%")
     v = res.get("verdict", {})
     host_ok = [abs(x["rel_error"]) <= 0.05 for k, x in v.items() if k.startswith("host")]
     gpu_ok = [abs(x["rel_error"]) <= 0.10 for k, x in v.items() if k.startswith("gpu")]
@@ -268,6 +285,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--num-layers", type=int, default=20)
     p.add_argument("--num-heads", type=int, default=16)
     p.add_argument("--num-kv-heads", type=int, default=2)
+    p.add_argument("--gpus", type=int, default=1, help="GPUs of the colocated job (DP = this; one engine per GPU)")
     p.add_argument("--cpu-smoke", action="store_true", help="the whole pipeline on CPU with the tiny model (wiring)")
     a = p.parse_args(argv)
     t_start = time.perf_counter()
@@ -278,6 +296,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     res: dict[str, Any] = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "argv": sys.argv[1:],
+        "gpus": a.gpus,
         "runs": {},
     }
 

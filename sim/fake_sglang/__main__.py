@@ -40,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-log", default=None, help="append one JSON line per HTTP request here")
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--base-gpu-id", type=int, default=0, help="SGLang's: the first GPU this engine uses (cuda)")
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument(
         "--tp-size",
@@ -194,11 +195,31 @@ async def _all_nodes_joined(nodes: NodeRendezvous, stop: asyncio.Event, timeout_
     return False
 
 
+def pin_gpus(base_gpu_id: int, count: int) -> None:
+    """Narrow CUDA_VISIBLE_DEVICES to GPUs base_gpu_id .. base_gpu_id+count-1 before CUDA starts.
+
+    Why: SGLang places an engine on its GPUs by `--base-gpu-id` (the launcher leaves every GPU visible); the fake
+    does the same with one environment variable, so every later `cuda` in this process (the model, and the
+    weight-update group's members, which run in other threads where a `set_device` would not carry over) means
+    the engine's own GPU — and an engine beside a trainer on another GPU can join its NCCL group."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else None
+    if ids is None:
+        import torch
+
+        ids = [str(i) for i in range(torch.cuda.device_count())]
+    if base_gpu_id + count > len(ids):
+        raise SystemExit(f"--base-gpu-id {base_gpu_id} with {count} GPU(s): only {len(ids)} GPU(s) visible")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[base_gpu_id : base_gpu_id + count])
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=os.environ.get("FAKE_SGLANG_LOG_LEVEL", "WARNING"), format="%(asctime)s %(name)s %(message)s"
     )
     a = parse_args(argv)
+    if a.device == "cuda":
+        pin_gpus(a.base_gpu_id, a.tp_size)
     if a.node_rank > 0:
         timeout = a.dist_timeout or DEFAULT_DIST_TIMEOUT_S
         sys.exit(asyncio.run(run_follower(a.dist_init_addr, a.node_rank, a.nnodes, timeout)))

@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import pickle
+import time
 from argparse import Namespace
 from typing import Any
 
@@ -233,7 +234,9 @@ class TrainRayActor:
                     timeout_s=60.0 * self.args.distributed_timeout_minutes,
                 )
             self.dist_sync.connect(targets)
+            t0 = time.perf_counter()  # conversion (the export generator) and broadcast: the sender's part
             out = self.dist_sync.send(named, weight_version)
+            out["weight_sync/send_s"] = time.perf_counter() - t0
         else:
             for _ in named:  # take part in the TP gathers only
                 pass
@@ -297,6 +300,19 @@ class TrainRayActor:
         }
 
 
+def with_rank_memory(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Rank 0's metrics, plus every other rank's `memory/*` as `memory/rank{r}/*`.
+
+    Why: the step's losses are already reduced, but memory is per GPU — ranks differ (the distributed optimizer's
+    shard sizes, uneven micro-batches), and a plan is checked against every rank, not only the first."""
+    merged = dict(per_rank[0])
+    for r, metrics in enumerate(per_rank[1:], start=1):
+        merged.update(
+            {f"memory/rank{r}/{k[len('memory/') :]}": v for k, v in metrics.items() if k.startswith("memory/")}
+        )
+    return merged
+
+
 class RayTrainGroup:
     """One role's `actor_num_nodes * actor_num_gpus_per_node` train actors, rank i on logical GPU i."""
 
@@ -329,7 +345,7 @@ class RayTrainGroup:
             a.train.remote(rollout_id, rank_data_refs, values[i] if values is not None else None)
             for i, a in enumerate(self.actors)
         ])  # fmt: skip
-        return [h for h, _ in out], out[0][1]
+        return [h for h, _ in out], with_rank_memory([m for _, m in out])
 
     def train_critic(self, rollout_id: int, rank_data_refs: list[Any]) -> tuple[list[Any], list[Any]]:
         """Start every critic rank; returns (per-rank refs of (hash, metrics), per-rank refs of old values)."""
@@ -410,7 +426,7 @@ class TrainModels:
             return self.actor.train(rollout_id, rank_data_refs)
         stat_refs, value_refs = self.critic.train_critic(rollout_id, rank_data_refs)
         stats = ray.get(stat_refs)
-        metrics = dict(stats[0][1])
+        metrics = with_rank_memory([m for _, m in stats])
         if rollout_id < self.args.num_critic_only_steps:
             metrics["train/critic_only"] = 1.0
             return [h for h, _ in stats], metrics

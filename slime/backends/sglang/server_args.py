@@ -80,6 +80,7 @@ def _sim_argv(
     nnodes: int = 1,
     node_rank: int = 0,
     dist_init_addr: str | None = None,
+    base_gpu_id: int = 0,
 ) -> list[str]:
     """The CLI of sim/fake_sglang; `--tp-size` makes a k-GPU fake join weight-sync groups as k ranks, and a
     multi-node fake serves as one engine from node rank 0 (the others join it as SGLang's nodes do)."""
@@ -94,7 +95,10 @@ def _sim_argv(
         argv += ["--synthetic-config", str(args.sim_synthetic_config)]
     if args.sim_request_log_dir:
         argv += ["--request-log", os.path.join(args.sim_request_log_dir, f"engine_{rank}.jsonl")]
-    argv += ["--device", "cuda" if torch.cuda.is_available() else "cpu"]
+    if torch.cuda.is_available():  # SGLang's placement flag: the engine's first GPU (see Engine.base_gpu_id)
+        argv += ["--device", "cuda", "--base-gpu-id", str(base_gpu_id)]
+    else:
+        argv += ["--device", "cpu"]
     if args.sglang_max_running_requests:  # the one scheduler limit the fake shares with SGLang
         argv += ["--max-running-requests", str(args.sglang_max_running_requests)]
     if num_gpus > 1:
@@ -143,6 +147,7 @@ def build_server_argv(
             nnodes,
             node_rank,
             dist_init_addr,
+            base_gpu_id,
         )
     if backend != "sglang":
         raise ValueError(f"unknown backend {backend!r}")
