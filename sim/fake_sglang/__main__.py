@@ -40,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-log", default=None, help="append one JSON line per HTTP request here")
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="hf: weight dtype")
     p.add_argument("--base-gpu-id", type=int, default=0, help="SGLang's: the first GPU this engine uses (cuda)")
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument(
@@ -91,7 +92,7 @@ def build_engine(a: argparse.Namespace) -> Engine:
     if a.engine == "hf":
         from sim.fake_sglang.hf_engine import HFEngine
 
-        return HFEngine(model_path=a.model_path, device=a.device, **common)
+        return HFEngine(model_path=a.model_path, device=a.device, dtype=a.dtype, **common)
     if a.engine == "scripted":
         from sim.fake_sglang.scripted_engine import ScriptedEngine, load_script
 

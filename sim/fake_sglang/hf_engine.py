@@ -25,10 +25,10 @@ from sim.fake_sglang.sampling import sample_batch
 logger = logging.getLogger(__name__)
 
 
-def load_model(model_path: str, device: str) -> Any:
+def load_model(model_path: str, device: str, dtype: str = "float32") -> Any:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
     return model.to(device).eval()
 
 
@@ -70,12 +70,13 @@ class _BatchKV:
 class HFEngine(Engine):
     name = "hf"
 
-    def __init__(self, *, model_path: str, device: str = "cpu", **kw: Any) -> None:
+    def __init__(self, *, model_path: str, device: str = "cpu", dtype: str = "float32", **kw: Any) -> None:
         from transformers import AutoTokenizer
 
         super().__init__(tokenizer=AutoTokenizer.from_pretrained(model_path), **kw)
         self.device = device
-        self.model = load_model(model_path, device)
+        self.dtype = dtype  # the weights' storage dtype: a bf16 trainer's synced weights land bit-exact
+        self.model = load_model(model_path, device, dtype)
         self._eos = self._collect_eos(self.model, self.tokenizer)
         self.kv_cache = True  # off after a model whose cache layout this engine does not know
         self._kv: _BatchKV | None = None
@@ -202,7 +203,7 @@ class HFEngine(Engine):
                     params[n].data.copy_(t.to(device=params[n].device, dtype=params[n].dtype))
 
     async def load_from_disk(self, model_path: str) -> None:
-        model = await asyncio.to_thread(load_model, model_path, self.device)
+        model = await asyncio.to_thread(load_model, model_path, self.device, self.dtype)
         if model.config.vocab_size != self.model.config.vocab_size:
             raise BadRequest("update_weights_from_disk: vocabulary size differs from the served model")
         async with self.step_lock:

@@ -125,7 +125,7 @@ def test_sim_argv():
     assert argv == [
         sys.executable, "-m", "sim.fake_sglang", "--host", "127.0.0.1", "--port", "4000", "--engine", "scripted",
         "--model-path", "/ckpt/x", "--random-seed", "1236", "--script", "rules.yaml",
-        "--request-log", "/logs/engine_2.jsonl", "--device", device,
+        "--request-log", "/logs/engine_2.jsonl", "--device", device, *(["--base-gpu-id", "0"] if device == "cuda" else []),
     ]  # fmt: skip
     args = server_args(
         sim_engine="synthetic", sim_script=None, sim_synthetic_config="lat.json", sim_request_log_dir=None

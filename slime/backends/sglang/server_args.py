@@ -95,6 +95,9 @@ def _sim_argv(
         argv += ["--synthetic-config", str(args.sim_synthetic_config)]
     if args.sim_request_log_dir:
         argv += ["--request-log", os.path.join(args.sim_request_log_dir, f"engine_{rank}.jsonl")]
+    dtype = args.sglang_dtype if args.sglang_dtype not in (None, "auto") else ("bfloat16" if args.bf16 else None)
+    if engine == "hf" and dtype is not None:  # the weights' dtype, as SGLang's --dtype: a bf16 trainer's sync is exact
+        argv += ["--dtype", dtype]
     if torch.cuda.is_available():  # SGLang's placement flag: the engine's first GPU (see Engine.base_gpu_id)
         argv += ["--device", "cuda", "--base-gpu-id", str(base_gpu_id)]
     else:
