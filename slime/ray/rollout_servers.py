@@ -26,6 +26,7 @@ from slime.backends.sglang.engine import SGLangEngine
 from slime.backends.sglang.router import RouterProcess
 from slime.backends.sglang.sglang_config import SGLangConfig, resolve_sglang_config
 from slime.utils.http_utils import find_free_port, node_address
+from slime.utils.process import start_with_free_port
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,12 @@ class RolloutServers:
                 self.router_urls[rp.model] = f"http://{rp.host}:{rp.port}"
                 continue
             log = os.path.join(self.log_dir, f"router_{rp.model}.log")
-            router = RouterProcess.start(args, host=rp.host, port=find_free_port(host=rp.host), pd=rp.pd, log_file=log)
+            router = start_with_free_port(
+                lambda rp=rp, log=log: RouterProcess.start(
+                    args, host=rp.host, port=find_free_port(host=rp.host), pd=rp.pd, log_file=log
+                ),
+                f"router {rp.model}",
+            )
             self.routers[rp.model] = router
             self.router_urls[rp.model] = router.url
         self._register(self.slots, starting)

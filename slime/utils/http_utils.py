@@ -39,6 +39,11 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+def port_is_free(host: str, port: int) -> bool:
+    """Can a listener bind `host:port` right now?"""
+    return _bindable(host, port)
+
+
 def _bindable(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:

@@ -19,14 +19,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import IO
+from typing import IO, TypeVar
 
 import httpx
 import psutil
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 STOP_GRACE_S = 5.0
+PORT_ATTEMPTS = 3
 _PR_SET_PDEATHSIG = 1
 
 
@@ -35,6 +37,36 @@ def die_with_parent() -> None:
     os.setsid()
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def port_is_free(port: int) -> bool:
+    """Nothing listens on `port` (any local address) right now."""
+    return not any(
+        c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in psutil.net_connections("tcp")
+    )
+
+
+def port_conflict(err: BaseException) -> bool:
+    """Did a child fail because its port was taken (its log tail, carried in the error, says so)?"""
+    text = str(err).lower()
+    return "address already in use" in text or "errno 98" in text or "addrinuse" in text
+
+
+def start_with_free_port(start: Callable[[], T], what: str, attempts: int = PORT_ATTEMPTS) -> T:
+    """`start()` — which picks its own free port(s) each call — again when its child lost a port race.
+
+    Why: a free port is chosen, then the child binds it; in between another process on the machine (a second
+    test worker, another job) can take it. The loser exits with "address already in use"; a fresh pick wins."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return start()
+        except (RuntimeError, TimeoutError) as e:
+            if attempt == attempts or not port_conflict(e):
+                raise
+            logger.warning(
+                "%s: port taken before the child bound it; retrying on another (%d/%d)", what, attempt, attempts
+            )
+    raise AssertionError("unreachable")
 
 
 def log_tail(path: str | None, lines: int = 20) -> str:
@@ -160,8 +192,10 @@ class ManagedProcess:
         try:
             while True:
                 if self.proc.poll() is not None:
+                    taken = f" (port {port}: address already in use)" if port and not port_is_free(port) else ""
                     raise RuntimeError(
-                        f"{self.name} exited with code {self.proc.returncode} during start-up{log_tail(self.log_path)}"
+                        f"{self.name} exited with code {self.proc.returncode} during start-up{taken}"
+                        f"{log_tail(self.log_path)}"
                     )
                 if check() and (port is None or self._listens_on(port)):
                     return

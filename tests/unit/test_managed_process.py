@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from slime.utils.http_utils import find_free_port
-from slime.utils.process import ManagedProcess
+from slime.utils.process import ManagedProcess, port_conflict, start_with_free_port
 
 pytestmark = pytest.mark.cpu
 
@@ -41,3 +41,44 @@ def test_our_child_listening_counts() -> None:
         assert child.proc.poll() is None
     finally:
         child.stop()
+
+
+def _start_listener(ports: list[int], started: list[ManagedProcess]) -> ManagedProcess:
+    """One attempt of a server start: the next port of `ports`, a child that binds it, then wait until healthy."""
+    port = ports.pop(0)
+    child = ManagedProcess.start([sys.executable, "-c", LISTEN, str(port)], name=f"listener {port}")
+    started.append(child)
+    child.wait_healthy(lambda: True, timeout=30, port=port)
+    child.bound_port = port  # type: ignore[attr-defined]
+    return child
+
+
+def test_a_lost_port_race_is_retried_on_a_new_port() -> None:
+    held = find_free_port(host="127.0.0.1")
+    stranger = socket.socket()
+    stranger.bind(("127.0.0.1", held))
+    stranger.listen()
+    fresh = find_free_port(host="127.0.0.1")
+    started: list[ManagedProcess] = []
+    try:
+        child = start_with_free_port(lambda: _start_listener([held, fresh][len(started) :], started), "listener")
+        assert child.bound_port == fresh and len(started) == 2  # type: ignore[attr-defined]
+        assert started[0].proc.returncode not in (None, 0)  # the first child could not bind and exited
+    finally:
+        for c in started:
+            c.stop()
+        stranger.close()
+
+
+def test_other_start_failures_are_not_retried() -> None:
+    started: list[ManagedProcess] = []
+
+    def start() -> ManagedProcess:
+        child = ManagedProcess.start([sys.executable, "-c", "raise SystemExit(3)"], name="broken child")
+        started.append(child)
+        child.wait_healthy(lambda: False, timeout=30, port=find_free_port(host="127.0.0.1"))
+        return child
+
+    with pytest.raises(RuntimeError, match="exited with code 3") as err:
+        start_with_free_port(start, "broken")
+    assert len(started) == 1 and not port_conflict(err.value)

@@ -19,7 +19,7 @@ from slime.backends.sglang.client import SGLangClient
 from slime.backends.sglang.server_args import build_server_argv
 from slime.utils.console import configure_actor
 from slime.utils.http_utils import find_free_port, node_address
-from slime.utils.process import ManagedProcess, log_tail
+from slime.utils.process import ManagedProcess, log_tail, start_with_free_port
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,11 @@ class SGLangEngine:
 
     def start(self, dist_init_addr: str | None = None, timeout: float = 600.0) -> str | None:
         """Launch the server; node rank 0 returns its URL once `/health_generate` answers (which, for a multi-node
-        engine, needs every node joined), the other node ranks return None once their process runs."""
+        engine, needs every node joined), the other node ranks return None once their process runs. Ports are
+        picked per attempt: a child that lost its port to another process is started again on new ones."""
+        return start_with_free_port(lambda: self._start_once(dist_init_addr, timeout), self.name)
+
+    def _start_once(self, dist_init_addr: str | None, timeout: float) -> str | None:
         self.port = find_free_port(host=self.host)
         if self.worker_type == "prefill" and self.node_rank == 0:
             self.bootstrap_port = find_free_port(host=self.host)
