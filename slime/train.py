@@ -67,7 +67,7 @@ def train(args: Namespace) -> dict:
     from slime.ray.rollout_manager import RolloutManager
     from slime.ray.run_end import shut_down, write_summary
     from slime.ray.train_actor import TrainModels
-    from slime.utils.tracking import Tracker, progress, step_line
+    from slime.utils.tracking import STEP_PHASES, Tracker, progress, step_line
 
     actor_args = role_args(args, "actor")  # the actor's checkpoint dirs (--megatron-config may override them)
     init_ray(args)
@@ -107,11 +107,15 @@ def train(args: Namespace) -> dict:
 
         def sync_and_onload(version: int | None) -> dict[str, float]:
             """Colocated order: weights memory back, weights in, then KV cache and CUDA graphs."""
+            t0 = time.perf_counter()
             if offload_rollout:
                 ray.get(manager.onload.remote(["weights"]))
+            t1 = time.perf_counter()
             out = update_weights(version) if version is not None else {}
+            t2 = time.perf_counter()
             if offload_rollout:
                 ray.get(manager.onload.remote(["kv_cache", "cuda_graph"]))
+                out["time/engine_resume"] = (t1 - t0) + (time.perf_counter() - t2)
             return out
 
         def save(rollout_id: int) -> None:
@@ -145,21 +149,28 @@ def train(args: Namespace) -> dict:
                 if rollout_metrics is not None:
                     tracker.log(rollout_metrics, step=rollout_id, kind="rollout")
                 if offload_rollout:
+                    t0 = time.perf_counter()
                     ray.get(manager.offload.remote())
+                    metrics["time/engine_release"] = time.perf_counter() - t0
                 if rank_refs is not None:
+                    t0 = time.perf_counter()
                     hashes, train_metrics = actors.train(rollout_id, rank_refs)
                     summary["hashes"][rollout_id] = hashes
                     metrics.update(train_metrics)
+                    metrics["time/train_total"] = time.perf_counter() - t0
                 if actor_args.save and _should_save(actor_args, rollout_id):
                     t1 = time.perf_counter()
                     save(rollout_id)
                     metrics["time/save"] = time.perf_counter() - t1
                 if actor_args.save_hf and _should_save(actor_args, rollout_id):
+                    t1 = time.perf_counter()
                     actors.save_hf(actor_args.save_hf.format(rollout_id=rollout_id))
+                    metrics["time/save_hf"] = time.perf_counter() - t1
                 if sync_weights and rank_refs is not None:
                     due = (rollout_id + 1) % args.update_weights_interval == 0
                     metrics.update(sync_and_onload(rollout_id + 1 if due else None))
                 metrics["time/step"] = time.perf_counter() - t_step
+                metrics["time/unaccounted"] = metrics["time/step"] - sum(metrics.get(k, 0.0) for k in STEP_PHASES)
                 summary["metrics"][rollout_id] = metrics
                 tracker.log(metrics, step=rollout_id, kind="train")
                 bar.update(1, detail=step_line({**(rollout_metrics or {}), **metrics}, last_eval))

@@ -14,12 +14,14 @@ phases (`offload.py`): it wakes to train or save and sleeps again, and weight sy
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import pickle
 import time
 from argparse import Namespace
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -143,20 +145,40 @@ class TrainRayActor:
         if self.args.debug_rollout_only:
             return None, {}
         data = self._rank_data(rollout_id, rank_data_refs)
-        self.offloader.wake_up()
+        with self._timed() as woke:
+            self.offloader.wake_up()
         metrics = self.trainer.train(rollout_id, data, values)
-        self.offloader.sleep()
-        return self.hashes[rollout_id], {**metrics, **self._memory_metrics()}
+        with self._timed() as slept:
+            self.offloader.sleep()
+        return self.hashes[rollout_id], {**metrics, **self._memory_metrics(), **self._wake_sleep(woke, slept)}
 
     def train_critic(
         self, rollout_id: int, rank_data_refs: list[Any]
     ) -> tuple[tuple[str, dict[str, float]], list[list[float]]]:
         """The critic's rollout (called with `num_returns=2`): the values ref goes straight to actor rank i."""
         data = self._rank_data(rollout_id, rank_data_refs)
-        self.offloader.wake_up()
+        with self._timed() as woke:
+            self.offloader.wake_up()
         metrics, values = self.trainer.train(rollout_id, data)
-        self.offloader.sleep()
-        return (self.hashes[rollout_id], {**metrics, **self._memory_metrics()}), values
+        with self._timed() as slept:
+            self.offloader.sleep()
+        return (
+            self.hashes[rollout_id],
+            {**metrics, **self._memory_metrics(), **self._wake_sleep(woke, slept)},
+        ), values
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _timed() -> Iterator[list[float]]:
+        box = [time.perf_counter()]
+        yield box
+        box[0] = time.perf_counter() - box[0]
+
+    def _wake_sleep(self, woke: list[float], slept: list[float]) -> dict[str, float]:
+        """Onload / offload time of this role's trainer (its share of `time/train_total`)."""
+        if not self.offloader.enabled:
+            return {}
+        return {f"time/{self.role}_wake_up": woke[0], f"time/{self.role}_sleep": slept[0]}
 
     def _memory_metrics(self) -> dict[str, float]:
         """The sleeping trainer's host footprint as the ledger books it and as the OS sees it (offload.py)."""

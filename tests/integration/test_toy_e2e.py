@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from sim.process_tree import ProcessTreeWatcher
+from slime.utils.tracking import STEP_PHASES
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cluster")]
 
@@ -137,6 +138,10 @@ def test_toy_train_replay_and_rollout_only(assets, tmp_path):
         m = live["metrics"][str(rid)]
         assert m["train/grad_norm"] > 0 and m["train/update_successful"] == 1.0
         assert m["weight_sync/buckets"] >= 1
+        # the step's top-level phases do not overlap: they add up to no more than its wall time
+        phases = [m[k] for k in STEP_PHASES if k in m]
+        assert {"time/rollout", "time/train_total", "time/weight_sync"} <= set(m) and min(phases) >= 0
+        assert sum(phases) <= m["time/step"] + 1e-6 and m["time/unaccounted"] >= -1e-6
     assert all(json.loads((tmp_path / "run" / "servers.json").read_text())["engine_pids"])
     engine_cmds = [c for c in live_tree.cmdlines.values() if "sim.fake_sglang" in c]
     assert len(engine_cmds) == 2 and any(
