@@ -148,6 +148,7 @@ def test_wandb_offline_run_holds_the_metrics_and_the_args(tmp_path, tracker_args
     by_step: dict[int, dict[str, Any]] = {}
     for row in rows:
         by_step.setdefault(row["_step"], {}).update(row)
+    assert sorted(by_step) == [0, 1, 2], rows
     assert [by_step[s]["rollout/raw_reward_mean"] for s in range(3)] == pytest.approx([0.0, 0.1, 0.2])
     assert [by_step[s]["train/loss"] for s in range(3)] == pytest.approx([1.0, 0.5, 1 / 3])
     assert "train/blob" not in by_step[0]
