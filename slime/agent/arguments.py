@@ -54,6 +54,40 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
         default="workspace-write",
         help="codex: sandbox mode (bypass = --dangerously-bypass-approvals-and-sandbox, where namespaces fail)",
     )
+    g.add_argument(
+        "--agent-sandbox",
+        default="local",
+        help="where repository-task episodes run (examples/coding_agent): local, container, or an import path "
+        "to a remote sandbox factory (slime/agent/sandbox.py)",
+    )
+    g.add_argument(
+        "--agent-sandbox-dir", default=None, help="local/container sandbox: parent directory (default: $TMPDIR)"
+    )
+    g.add_argument(
+        "--agent-sandbox-memory-mb",
+        type=int,
+        default=8192,
+        help="address-space limit of each sandboxed command, MiB (0: none)",
+    )
+    g.add_argument(
+        "--agent-sandbox-cpu-seconds",
+        type=int,
+        default=0,
+        help="CPU-time limit of each sandboxed command, seconds (0: the larger of --agent-timeout, --agent-eval-timeout)",
+    )
+    g.add_argument(
+        "--agent-sandbox-image",
+        default="slime-coding-agent:latest",
+        help="container sandbox: the task image (examples/coding_agent/Dockerfile)",
+    )
+    g.add_argument(
+        "--agent-sandbox-runtime",
+        default=None,
+        help="container sandbox: docker or podman (default: whichever is on PATH)",
+    )
+    g.add_argument(
+        "--agent-eval-timeout", type=float, default=300.0, help="wall-clock budget of scoring one patch, seconds"
+    )
 
 
 def resolve_agent_args(args: Any) -> None:
