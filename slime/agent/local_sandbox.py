@@ -168,7 +168,12 @@ class LocalSandbox:
         """The task as one commit: `export_diff` is the agent's work against it, whatever it touched."""
         (self.workdir / ".git").exists() and shutil.rmtree(self.workdir / ".git")
         env = {"PATH": SAFE_PATH, "HOME": str(self.home), "GIT_CONFIG_NOSYSTEM": "1"}
-        cmds = [GIT + ["init", "-q"], GIT + ["add", "-A"], GIT + ["commit", "-q", "--no-gpg-sign", "-m", "task"]]
+        cmds = [
+            GIT + ["init", "-q"],
+            GIT + ["config", "core.checkStat", "minimal"],  # the chown to the sandbox uid must not dirty the index
+            GIT + ["add", "-A"],
+            GIT + ["commit", "-q", "--no-gpg-sign", "-m", "task"],
+        ]
         for cmd in cmds:
             subprocess.run(cmd, cwd=self.workdir, env=env, check=True, capture_output=True, timeout=60)
         # diffs are taken against this commit, not HEAD: an agent that commits its work still exports it
@@ -238,7 +243,7 @@ class LocalSandbox:
     ) -> CliRun:
         env = {**env, "PATH": env.get("PATH") if self.mode == "fallback" else SAFE_PATH}
         env.setdefault("HOME", str(self.home))
-        env.setdefault("TMPDIR", str(self.tmp))
+        env["TMPDIR"] = str(self.tmp)  # the sandbox root itself is not writable by the sandbox uid
         sweep = (lambda: reap_uid(self.uid)) if self.uid is not None else None
         return await run_cli(
             self.command(cmd), cwd=str(self.root), env=env, timeout_s=timeout_s, sweep=sweep, stdin=stdin

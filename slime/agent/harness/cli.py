@@ -159,6 +159,11 @@ def trainable(segments: list[TokenSegment]) -> tuple[list[TokenSegment], int]:
     return keep, len(segments) - len(keep)
 
 
+def concurrency_limit(args: Any) -> asyncio.Semaphore:
+    """The running loop's bound on CLI episodes at once (`--agent-cli-concurrency`)."""
+    return _limits.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(args.agent_cli_concurrency))
+
+
 Runner = Callable[[Any, Gateway, dict[str, str], Sample, Workspace, float], Awaitable[Episode]]
 
 
@@ -168,8 +173,7 @@ async def run_episode(args: Any, sample: Sample, sampling_params: dict[str, Any]
     from slime.rollout.rm_hub import async_rm
 
     gw = await get_embedded_gateway(args)
-    loop = asyncio.get_running_loop()
-    limit = _limits.setdefault(loop, asyncio.Semaphore(args.agent_cli_concurrency))
+    limit = concurrency_limit(args)
     timeout_s = float(args.agent_timeout)
     async with limit:
         ws = Workspace.create(sample)
