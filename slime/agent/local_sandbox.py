@@ -141,12 +141,19 @@ class LocalSandbox:
     async def __aenter__(self) -> LocalSandbox:
         await asyncio.to_thread(self._create)
         try:
-            if self.gateway and self.mode == "isolated":
-                self._relay = await asyncio.start_unix_server(self._relay_one, path=str(self.root / "gw.sock"))
+            if self._relay_wanted():
+                sock = self.root / "gw.sock"
+                self._relay = await asyncio.start_unix_server(self._relay_one, path=str(sock))
+                if self.uid is not None:  # the in-sandbox end may run as the sandbox uid (containers)
+                    os.chown(sock, self.uid, self.uid)
         except BaseException:
             await self.__aexit__(None, None, None)
             raise
         return self
+
+    def _relay_wanted(self) -> bool:
+        """Only with a private network namespace: without one the command reaches the gateway directly."""
+        return bool(self.gateway) and self.mode == "isolated"
 
     def _create(self) -> None:
         self.mode = isolation_mode()
