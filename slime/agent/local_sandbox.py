@@ -78,10 +78,10 @@ def isolation_mode() -> str:
 
 
 class _UidSlot:
-    """A uid no other live sandbox holds, across processes: an flock on `<base>/uids/<uid>` held while alive."""
+    """A uid no other live sandbox holds, across processes: an flock on `<base>/slime-uid-locks/<uid>` held while alive."""
 
     def __init__(self, base: Path) -> None:
-        d = base / "slime-sbx-uids"
+        d = base / "slime-uid-locks"
         d.mkdir(parents=True, exist_ok=True)
         start = os.getpid() % UID_SLOTS  # spread processes over the range: fewer collisions to skip
         for k in range(UID_SLOTS):
