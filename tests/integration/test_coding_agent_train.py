@@ -41,14 +41,16 @@ def sandbox_processes() -> list[str]:
     return out
 
 
-def train(tmp_path: Path, harness: str, extra: list[str], num_rollout: int, batch: int, n: int) -> Path:
+def train(
+    tmp_path: Path, harness: str, extra: list[str], num_rollout: int, batch: int, n: int, data: Path = TASKS
+) -> Path:
     from sim.tiny_checkpoint import build_tiny_checkpoint
 
     ckpt = build_tiny_checkpoint(tmp_path / "tiny")
     (tmp_path / "script.json").write_text(json.dumps(build_script(harness)))
     metrics = tmp_path / "run"
     argv = [
-        "--hf-checkpoint", str(ckpt), "--prompt-data", str(TASKS), "--input-key", "input",
+        "--hf-checkpoint", str(ckpt), "--prompt-data", str(data), "--input-key", "input",
         "--custom-generate-function-path", "slime.agent.harness.repo_task.generate", "--agent-harness", harness,
         "--agent-sandbox", "local", "--agent-sandbox-dir", str(tmp_path / "sandboxes"),
         "--agent-timeout", "120", "--agent-eval-timeout", "60",
@@ -117,5 +119,18 @@ def test_coding_agent_trains_with_claude_code(tmp_path: Path) -> None:
 def test_coding_agent_codex_episodes(tmp_path: Path) -> None:
     require_cli("codex")
     # Codex's own bubblewrap is flaky under concurrent writes here (docs/agent.md); the sandbox isolates it
-    train(tmp_path, "codex", ["--agent-codex-sandbox", "bypass", "--debug-rollout-only"], num_rollout=1, batch=4, n=1)
-    check_rollouts(tmp_path, 1, 4)
+    # one task of each scripted outcome: known-good, wrong fix, edited tests, deleted test file
+    rows = [json.loads(line) for line in TASKS.read_text().splitlines()]
+    pick = [
+        r
+        for r in rows
+        if r["metadata"]["instance_id"] in ("stack-peek", "median-even", "flatten-deep", "dedupe-order")
+    ]
+    for r in pick:
+        r["metadata"]["repo"] = str(TASKS.parent / r["metadata"]["repo"])
+    data = tmp_path / "four.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in pick))
+    extra = ["--agent-codex-sandbox", "bypass", "--debug-rollout-only"]
+    train(tmp_path, "codex", extra, num_rollout=1, batch=4, n=1, data=data)
+    samples = check_rollouts(tmp_path, 1, 4)
+    assert sorted(s.metadata["reward"] for s in samples) == [0.0, 0.0, 0.0, 1.0]
