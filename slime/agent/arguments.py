@@ -54,15 +54,61 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
         default="workspace-write",
         help="codex: sandbox mode (bypass = --dangerously-bypass-approvals-and-sandbox, where namespaces fail)",
     )
+    g.add_argument(
+        "--agent-sandbox",
+        default="local",
+        help="where repository-task episodes run (examples/coding_agent): local, container, or an import path "
+        "to a remote sandbox factory (slime/agent/sandbox.py)",
+    )
+    g.add_argument(
+        "--agent-sandbox-dir", default=None, help="local/container sandbox: parent directory (default: $TMPDIR)"
+    )
+    g.add_argument(
+        "--agent-sandbox-memory-mb",
+        type=int,
+        default=8192,
+        help="address-space limit of each sandboxed command, MiB (0: none)",
+    )
+    g.add_argument(
+        "--agent-sandbox-cpu-seconds",
+        type=int,
+        default=0,
+        help="CPU-time limit of each sandboxed command, seconds (0: the larger of --agent-timeout, --agent-eval-timeout)",
+    )
+    g.add_argument(
+        "--agent-sandbox-image",
+        default="slime-coding-agent:latest",
+        help="container sandbox: the task image (examples/coding_agent/Dockerfile)",
+    )
+    g.add_argument(
+        "--agent-sandbox-runtime",
+        default=None,
+        help="container sandbox: docker or podman (default: whichever is on PATH)",
+    )
+    g.add_argument(
+        "--agent-eval-timeout", type=float, default=300.0, help="wall-clock budget of scoring one patch, seconds"
+    )
+
+
+def _drives_harness(path: str) -> bool:
+    from slime.utils.misc import load_function
+
+    return bool(getattr(load_function(path), "drives_agent_harness", False))
 
 
 def resolve_agent_args(args: Any) -> None:
     """Derive `--custom-generate-function-path` from `--agent-harness` (called by argument validation).
 
-    An explicit `--custom-generate-function-path` is an error next to a harness: which one runs would be a guess.
+    An explicit `--custom-generate-function-path` is an error next to a harness (which one runs would be a
+    guess), unless that function declares `drives_agent_harness`: it runs the harness's CLI itself.
     """
     from slime.agent.harness import HARNESSES
 
+    sandbox = args.agent_sandbox
+    if sandbox not in ("local", "container") and "." not in str(sandbox):
+        raise SlimeArgError(f"--agent-sandbox {sandbox!r}: use local, container or an import path pkg.module.factory")
+    if args.agent_eval_timeout <= 0:
+        raise SlimeArgError("--agent-eval-timeout must be > 0")
     store = args.agent_store
     if store and store != "memory" and not str(store).startswith(("redis://", "rediss://", "unix://")):
         raise SlimeArgError("--agent-store: use memory or a redis:// URL")
@@ -72,11 +118,12 @@ def resolve_agent_args(args: Any) -> None:
     if name not in HARNESSES:
         raise SlimeArgError(f"--agent-harness {name!r}: known harnesses are {', '.join(sorted(HARNESSES))}")
     current = args.custom_generate_function_path
-    if current is not None and current != HARNESSES[name]:
+    # a generate function may run the harness's CLI itself (slime/agent/harness/repo_task.py): then it stays
+    if current is not None and current != HARNESSES[name] and not _drives_harness(current):
         raise SlimeArgError(
             f"--agent-harness {name} sets the generate function; drop --custom-generate-function-path {current}"
         )
-    args.custom_generate_function_path = HARNESSES[name]
+    args.custom_generate_function_path = current or HARNESSES[name]
     if args.agent_max_turns < 1:
         raise SlimeArgError("--agent-max-turns must be >= 1")
     if args.agent_timeout <= 0:

@@ -40,6 +40,9 @@ def test_agent_flag_defaults_live_in_the_parser(make_args: Callable[..., Any]) -
         {"agent_harness": "nope"},
         {"agent_harness": "openai-sdk", "custom_generate_function_path": "my.gen"},
         {"agent_harness": "openai-sdk", "agent_max_turns": 0},
+        {"agent_harness": "codex", "custom_generate_function_path": "slime.agent.harness.openai_sdk.generate"},
+        {"agent_sandbox": "docker"},
+        {"agent_eval_timeout": 0},
     ],
 )
 def test_harness_errors(kw: dict, make_args: Callable[..., Any]) -> None:
@@ -57,3 +60,12 @@ def test_tools_are_safe_and_total() -> None:
     assert run_tool("calculator", "not json", meta).startswith("error") and run_tool("rm", "{}", meta).startswith(
         "error"
     )
+
+
+def test_a_generate_function_that_drives_the_harness_stays(make_args: Callable[..., Any]) -> None:
+    path = "slime.agent.harness.repo_task.generate"
+    for harness in ("claude-code", "codex"):
+        a = make_args(agent_harness=harness, custom_generate_function_path=path, agent_sandbox="my.remote.factory")
+        resolve_agent_args(a)
+        assert a.custom_generate_function_path == path and a.agent_harness == harness
+    assert make_args().agent_sandbox == "local"

@@ -29,6 +29,12 @@ OWNERS = {
     # grouping tensors by size, and laying them out flat (the bucket format both transports and the fake share)
     r">\s*bucket_bytes|\.detach\(\)\.reshape\(-1\)": "slime/backends/megatron/weight_buckets.py",
 }
+# modules that may repeat a marker, and why they cannot import its owner
+EXCEPTIONS = {
+    # the first process of every sandboxed command runs as `python -I -S <file>` (also inside containers,
+    # where slime is not installed): it sets PR_SET_PDEATHSIG on the command after dropping to the sandbox uid
+    "slime/agent/sandbox_init.py": r"prctl\(",
+}
 
 
 def production_files() -> list[Path]:
@@ -53,7 +59,8 @@ def offenders(pattern: str, owner: str, *, only: str = "slime") -> list[str]:
         rel = path.relative_to(ROOT).as_posix()
         if rel == owner or not rel.startswith(only):
             continue
-        if any(re.search(pattern, line) for line in code_lines(path)):
+        lines = [ln for ln in code_lines(path) if not (rel in EXCEPTIONS and re.search(EXCEPTIONS[rel], ln))]
+        if any(re.search(pattern, line) for line in lines):
             found.append(rel)
     return sorted(found)
 

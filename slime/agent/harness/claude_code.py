@@ -27,7 +27,6 @@ from slime.agent.harness.cli import (
     extra_cli_args,
     find_cli,
     parse_jsonl,
-    run_cli,
     run_episode,
     task_prompt,
 )
@@ -89,12 +88,7 @@ async def run_claude(
     ep = Episode()
     for i, prompt in enumerate(prompts):
         left = timeout_s - ep.seconds
-        run = await run_cli(
-            claude_command(args, binary, gw.model_name, prompt, cont=i > 0),
-            cwd=str(ws.workdir),
-            env=env,
-            timeout_s=left,
-        )
+        run = await ws.exec(claude_command(args, binary, gw.model_name, prompt, cont=i > 0), env, left)
         ep.seconds += run.seconds
         ep.returncode = run.returncode
         read_stream(run.stdout, ep)

@@ -24,7 +24,6 @@ import os
 import shlex
 import shutil
 import tempfile
-import time
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -32,18 +31,16 @@ from pathlib import Path
 from typing import Any
 
 from slime.agent.embedded import get_embedded_gateway
+from slime.agent.episode_process import EPISODE_MARKER, CliRun, run_cli
 from slime.agent.gateway import Gateway
 from slime.agent.session import AUX_KIND
 from slime.agent.trajectory import TokenSegment, fan_out_sample_segments
-from slime.utils.process import die_with_parent, stop_async, wait_exited
 from slime.utils.types import Sample, Status
 
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_PREFIX = REPO_ROOT / ".agent-clis"
-KILL_GRACE_S = 3.0
-EPISODE_MARKER = "SLIME_AGENT_EPISODE"
 # where the npm packages (installed by ci/agent_clis.sh) put their native binaries, any Linux arch
 CLI_BINARIES = {
     "claude": ("SLIME_CLAUDE_BIN", "node_modules/@anthropic-ai/claude-code-linux-*/claude"),
@@ -72,75 +69,6 @@ def find_cli(name: str, prefix: str | None = None) -> str:
 
 
 @dataclass
-class CliRun:
-    returncode: int | None
-    stdout: str
-    stderr: str
-    timed_out: bool
-    seconds: float
-
-
-def _reap_marked(marker: str) -> int:
-    """Kill every process carrying this episode's marker in its environment: tools that left the CLI's
-    process group (setsid, daemonised servers) still inherit the environment."""
-    import psutil
-
-    n = 0
-    for p in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            if p.pid != os.getpid() and p.environ().get(EPISODE_MARKER) == marker:
-                p.kill()
-                n += 1
-    return n
-
-
-async def _stop_episode(proc: asyncio.subprocess.Process, marker: str | None) -> None:
-    """Stop the CLI's process group (`slime.utils.process.stop_async`: SIGTERM, SIGKILL after a grace period,
-    which also takes the tools it left running in the background), then reap what escaped the group."""
-    await stop_async(proc, KILL_GRACE_S)
-    if marker and (n := _reap_marked(marker)):
-        logger.info("killed %d leftover process(es) of agent episode %s", n, marker)
-
-
-async def _pump(stream: asyncio.StreamReader, buf: bytearray) -> None:
-    while chunk := await stream.read(1 << 16):
-        buf += chunk
-
-
-async def run_cli(cmd: list[str], *, cwd: str, env: dict[str, str], timeout_s: float) -> CliRun:
-    """Run one CLI invocation in its own process group; kill the group (and every process that inherited
-    `env[EPISODE_MARKER]`) when it exits, times out or is cancelled. Output read before a timeout is kept."""
-    marker = env.get(EPISODE_MARKER)
-    t0 = time.monotonic()
-    proc = await asyncio.create_subprocess_exec(
-        *cmd,
-        cwd=cwd,
-        env=env,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        preexec_fn=die_with_parent,  # own process group; dies with the rollout process
-    )
-    out, err = bytearray(), bytearray()
-    assert proc.stdout is not None and proc.stderr is not None
-    readers = [asyncio.create_task(_pump(proc.stdout, out)), asyncio.create_task(_pump(proc.stderr, err))]
-    try:
-        timed_out = not await wait_exited(proc, timeout_s)
-    except BaseException:
-        await asyncio.shield(_stop_episode(proc, marker))
-        for r in readers:
-            r.cancel()
-        raise
-    await _stop_episode(proc, marker)
-    _, pending = await asyncio.wait(readers, timeout=5.0)  # the pipes close once every holder is gone
-    for r in pending:
-        r.cancel()
-    return CliRun(
-        proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"), timed_out, time.monotonic() - t0
-    )
-
-
-@dataclass
 class Episode:
     """What one harness run produced, besides the gateway's token segments."""
 
@@ -155,9 +83,19 @@ class Episode:
 
 @dataclass
 class Workspace:
+    """Where a CLI episode runs: a temporary directory on this machine. A sandbox (`slime/agent/sandbox.py`)
+    offers the same four members, so the runners below work in either."""
+
     root: Path
     workdir: Path
     home: Path
+
+    async def exec(self, cmd: list[str], env: dict[str, str], timeout_s: float) -> CliRun:
+        return await run_cli(cmd, cwd=str(self.workdir), env=env, timeout_s=timeout_s)
+
+    async def write_file(self, path: str | Path, data: str | bytes) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_bytes(data.encode() if isinstance(data, str) else data)
 
     @classmethod
     def create(cls, sample: Sample) -> Workspace:
@@ -221,6 +159,11 @@ def trainable(segments: list[TokenSegment]) -> tuple[list[TokenSegment], int]:
     return keep, len(segments) - len(keep)
 
 
+def concurrency_limit(args: Any) -> asyncio.Semaphore:
+    """The running loop's bound on CLI episodes at once (`--agent-cli-concurrency`)."""
+    return _limits.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(args.agent_cli_concurrency))
+
+
 Runner = Callable[[Any, Gateway, dict[str, str], Sample, Workspace, float], Awaitable[Episode]]
 
 
@@ -230,8 +173,7 @@ async def run_episode(args: Any, sample: Sample, sampling_params: dict[str, Any]
     from slime.rollout.rm_hub import async_rm
 
     gw = await get_embedded_gateway(args)
-    loop = asyncio.get_running_loop()
-    limit = _limits.setdefault(loop, asyncio.Semaphore(args.agent_cli_concurrency))
+    limit = concurrency_limit(args)
     timeout_s = float(args.agent_timeout)
     async with limit:
         ws = Workspace.create(sample)

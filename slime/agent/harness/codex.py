@@ -127,17 +127,17 @@ async def run_codex(
     binary = find_cli("codex", args.agent_cli_prefix)
     sandbox = args.agent_codex_sandbox
     codex_home = ws.home / ".codex"
-    codex_home.mkdir()
     catalog = codex_home / "catalog.json"
     ctx = args.rollout_max_context_len or None
     entry = catalog_entry(await catalog_template(binary), gw.model_name, ctx)
-    catalog.write_text(json.dumps({"models": [entry]}))
-    (codex_home / "config.toml").write_text(codex_config(gw.model_name, f"{sess['base_url']}/v1", catalog, timeout_s))
+    await ws.write_file(catalog, json.dumps({"models": [entry]}))
+    config = codex_config(gw.model_name, f"{sess['base_url']}/v1", catalog, timeout_s)
+    await ws.write_file(codex_home / "config.toml", config)
     env = base_env(ws)
     env.update(CODEX_HOME=str(codex_home), SLIME_GATEWAY_API_KEY=sess["api_key"])
     cmd = [binary, "exec", "--skip-git-repo-check", "--json", "--disable", "unbounded_connection_retries"]
     cmd += SANDBOX_FLAGS[sandbox] + extra_cli_args(args) + [task_prompt(sample)]
-    run = await run_cli(cmd, cwd=str(ws.workdir), env=env, timeout_s=timeout_s)
+    run = await ws.exec(cmd, env, timeout_s)
     ep = Episode(returncode=run.returncode, timed_out=run.timed_out, seconds=run.seconds)
     read_events(run.stdout, ep)
     if run.timed_out:

@@ -1,0 +1,5 @@
+from collections import Counter
+
+
+def count_words(text):
+    return Counter(text.split())

@@ -1,0 +1,184 @@
+"""Repository-task episodes (the coding-agent example, examples/coding_agent/): a real agent CLI fixes an issue
+in a sandboxed copy of a task repository, and its patch is scored in a fresh copy.
+
+`--custom-generate-function-path slime.agent.harness.repo_task.generate` with `--agent-harness claude-code`
+(or `codex`) picks the CLI. One episode:
+
+1. boot a sandbox (`--agent-sandbox`) from the task's repository and write the issue to `ISSUE.md`;
+2. run the harness inside it against the sample's gateway session (base URL and key) within
+   `--agent-timeout` seconds of wall clock (a turn budget goes through the CLI's own flag, e.g.
+   `--agent-cli-args "--max-turns 30"` for Claude Code);
+3. export the agent's changes as a git patch (harness files left out) and close that sandbox: every
+   process of it is killed, its files deleted;
+4. boot a **fresh** sandbox from the same task (no network), apply the patch (`git apply --3way`, then plain
+   `git apply`), restore the task's test files (a patch that edits or deletes tests changes nothing), run
+   the fail-to-pass and pass-to-pass tests: reward 1 iff every one passes;
+5. finish the gateway session and fan its segments out into samples sharing one group id.
+
+Any failure (boot, harness over its budget, export, scoring) yields one ABORTED placeholder sample whose
+`metadata["abort_reason"]` says why; the session is always finished and both sandboxes always closed.
+
+A task is the sample's metadata: `instance_id`, `repo` (a directory; relative paths are taken from the
+`--prompt-data` file's directory), `fail_to_pass` and `pass_to_pass` (unittest ids), `test_files` (paths the
+scorer restores). The prompt is the sample's prompt (the issue text and what to do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from slime.agent.embedded import get_embedded_gateway
+from slime.agent.harness.claude_code import run_claude
+from slime.agent.harness.cli import Episode, concurrency_limit, trainable
+from slime.agent.harness.codex import run_codex
+from slime.agent.sandbox import make_sandbox
+from slime.agent.trajectory import fan_out_sample_segments
+from slime.utils.types import Sample, Status
+
+logger = logging.getLogger(__name__)
+
+RUNNERS = {"claude-code": run_claude, "codex": run_codex}
+# `python -m unittest -v` (3.11+): "test_x (tests.test_m.TestM.test_x) ... ok"
+_RESULT = re.compile(r"^\w+ \(([\w.]+)\)(?:\n.*?)?\s\.\.\.\s(ok|FAIL|ERROR|skipped.*|expected failure)$", re.M)
+
+
+@dataclass
+class RepoTask:
+    instance_id: str
+    repo: Path
+    fail_to_pass: list[str]
+    pass_to_pass: list[str]
+    test_files: list[str]
+
+    @classmethod
+    def from_sample(cls, args: Any, sample: Sample) -> RepoTask:
+        m = sample.metadata
+        repo = Path(m["repo"])
+        if not repo.is_absolute() and args.prompt_data:
+            repo = Path(args.prompt_data).resolve().parent / repo
+        if not repo.is_dir():
+            raise FileNotFoundError(f"task {m.get('instance_id')}: repository {repo} not found")
+        return cls(
+            str(m["instance_id"]), repo, list(m["fail_to_pass"]), list(m["pass_to_pass"]), list(m["test_files"])
+        )
+
+
+def parse_unittest(output: str) -> dict[str, bool]:
+    """Test id -> passed, from `python -m unittest -v` output."""
+    return {tid: verdict == "ok" for tid, verdict in _RESULT.findall(output)}
+
+
+async def score_patch(args: Any, task: RepoTask, patch: str) -> dict[str, Any]:
+    """Apply `patch` to a fresh sandbox of the task, restore its tests, run them. Reward 1.0 iff every
+    fail-to-pass and pass-to-pass test passes."""
+    t0 = time.monotonic()
+    out: dict[str, Any] = {"applied_cleanly": False, "apply_method": None, "tests_passed": [], "tests_failed": []}
+    wanted = task.fail_to_pass + task.pass_to_pass
+    budget = float(args.agent_eval_timeout)
+    async with make_sandbox(args, task.repo, None) as sb:
+        env = {"HOME": str(sb.home)}
+        if patch.strip():
+            for method, cmd in (("3way", ["git", "apply", "--3way", "-"]), ("plain", ["git", "apply", "-"])):
+                run = await sb.exec(cmd, env, budget, stdin=patch.encode())
+                if run.returncode == 0:
+                    out["applied_cleanly"], out["apply_method"] = method == "3way", method
+                    break
+                await sb.exec(["git", "checkout", "-f", sb.base_commit, "--", "."], env, budget)
+        if out["apply_method"] is not None:
+            restore = ["git", "checkout", sb.base_commit, "--", *task.test_files]  # edited or deleted tests
+            run = await sb.exec(restore, env, budget)
+            if run.returncode != 0:
+                raise RuntimeError(f"restoring the tests failed: {run.stderr[-300:]}")
+            run = await sb.exec(["python3", "-m", "unittest", "-v", *wanted], env, budget)
+            results = parse_unittest(run.stderr)
+            out["tests_passed"] = [t for t in wanted if results.get(t)]
+            out["tests_failed"] = [t for t in wanted if not results.get(t)]
+            out["tests_timed_out"] = run.timed_out
+        else:
+            out["tests_failed"] = list(wanted)
+    out["reward"] = float(out["apply_method"] is not None and not out["tests_failed"])
+    out["score_seconds"] = round(time.monotonic() - t0, 3)
+    return out
+
+
+def aborted_sample(sample: Sample, reason: str, meta: dict[str, Any]) -> Sample:
+    """A placeholder that trains nothing (one response token at mask 0) and says why the episode failed."""
+    sample.tokens, sample.response_length, sample.loss_mask = [0, 0], 1, [0]
+    sample.rollout_log_probs, sample.response, sample.reward = [0.0], "", 0.0
+    sample.status = Status.ABORTED
+    sample.metadata = {**sample.metadata, **meta, "abort_reason": reason}
+    return sample
+
+
+def _gateway_address(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    host = parts.hostname or "127.0.0.1"
+    return ("127.0.0.1" if host in ("0.0.0.0", "::") else host), int(parts.port or 80)
+
+
+async def generate(
+    args: Any, sample: Sample, sampling_params: dict[str, Any], evaluation: bool = False
+) -> list[Sample]:
+    from slime.rollout.generate import GenerateState
+
+    runner = RUNNERS.get(args.agent_harness or "claude-code")
+    if runner is None:
+        return [aborted_sample(sample, f"--agent-harness {args.agent_harness}: not a CLI harness", {})]
+    gw = await get_embedded_gateway(args)
+    meta: dict[str, Any] = {"instance_id": sample.metadata.get("instance_id")}
+    t0 = time.monotonic()
+    async with concurrency_limit(args):
+        sess = await gw.open_session(
+            sampling_defaults=sampling_params,
+            max_context_tokens=args.rollout_max_context_len or 0,
+            metadata={"index": sample.index, "instance_id": meta["instance_id"]},
+        )
+        meta["agent_session_id"] = sess["session_id"]
+        segments: list = []
+        ep = Episode(error="not started")
+        try:
+            task = RepoTask.from_sample(args, sample)
+            async with make_sandbox(args, task.repo, _gateway_address(gw.public_url or "")) as sb:
+                meta["boot_seconds"] = round(time.monotonic() - t0, 3)
+                await sb.write_file(sb.workdir / "ISSUE.md", str(sample.prompt))
+                ep = await runner(args, gw, sess, sample, sb, float(args.agent_timeout))
+                meta.update(agent_seconds=round(ep.seconds, 3), num_tool_calls=ep.num_tool_calls)
+                meta.update(agent_exit_code=ep.returncode, agent_timed_out=ep.timed_out, **ep.extra)
+                if ep.timed_out:
+                    raise TimeoutError(f"the harness ran over its budget ({args.agent_timeout:g}s) and was killed")
+                patch = await sb.export_diff()
+            meta["patch_bytes"] = len(patch.encode())
+            score = await score_patch(args, task, patch)
+            meta.update(score)
+        except Exception as e:
+            reason = str(e).replace(sess["api_key"], "***") or type(e).__name__
+            logger.warning("episode %s aborted: %s", meta["instance_id"], reason)
+            return [aborted_sample(sample, reason, {**meta, "elapsed_seconds": round(time.monotonic() - t0, 3)})]
+        finally:
+            segments = await asyncio.shield(gw.finish_session(sess["session_id"]))
+    meta["elapsed_seconds"] = round(time.monotonic() - t0, 3)
+    if ep.error:
+        meta["agent_error"] = ep.error.replace(sess["api_key"], "***")
+    segments, meta["num_auxiliary_segments"] = trainable(segments)
+    meta["num_turns_total"] = sum(int(s.metadata.get("num_turns", 0)) for s in segments)
+    if GenerateState.get(args).aborted:
+        return [aborted_sample(sample, "rollout aborted", meta)]
+    if not segments:
+        return [aborted_sample(sample, ep.error or "the agent produced no tokens", meta)]
+    out = fan_out_sample_segments(
+        sample, segments, meta["reward"], mode=args.fan_out_reward, tokenizer=gw.tokenizer, metadata=meta
+    )
+    cut = segments[-1].metadata.get("finish_reason") == "length"
+    for s in out:
+        s.status = Status.TRUNCATED if cut else Status.COMPLETED
+    return out
+
+
+generate.drives_agent_harness = True  # type: ignore[attr-defined] - `--agent-harness` picks the CLI it runs
