@@ -84,19 +84,19 @@ async def attach_model_log_probs(args: Any, samples: Sequence[Sample]) -> None:
     """Fill `teacher_log_probs` (--use-opd --opd-type sglang) and `ref_log_probs` (--ref-model-name) of every
     finished sample. Aborted samples are left alone: they are scored once they finish."""
     teachers = list(args.opd_teacher_models) if args.use_opd and args.opd_type == "sglang" else []
-    models = teachers + ([args.ref_model_name] if args.ref_model_name else [])
+    ref = args.ref_model_name
+    models = list(dict.fromkeys(teachers + ([ref] if ref else [])))  # a model that is both is asked once
     finished = [s for s in samples if s.status in (Status.COMPLETED, Status.TRUNCATED)]
     # a finished sample of a group resumed from the buffer keeps its scores (regenerating one clears them)
-    done = [s for s in finished if (teachers and s.teacher_log_probs is None) or (args.ref_model_name and
-                                                                                   s.ref_log_probs is None)]  # fmt: skip
+    done = [s for s in finished if (teachers and s.teacher_log_probs is None) or (ref and s.ref_log_probs is None)]
     if not done or not models:
         return
-    scores = await asyncio.gather(*(score_responses(args, m, done) for m in models))
+    scores = dict(zip(models, await asyncio.gather(*(score_responses(args, m, done) for m in models)), strict=True))
     for i, s in enumerate(done):
         if teachers:
-            s.teacher_log_probs = mean_log_probs([scores[k][i] for k in range(len(teachers))])
-        if args.ref_model_name:
-            s.ref_log_probs = scores[-1][i]
+            s.teacher_log_probs = mean_log_probs([scores[t][i] for t in teachers])
+        if ref:
+            s.ref_log_probs = scores[ref][i]
 
 
 def needs_model_scoring(args: Any) -> bool:
