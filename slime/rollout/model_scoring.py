@@ -30,14 +30,23 @@ class ModelScoringError(RuntimeError):
     """A model of --sglang-config could not score a response (unreachable, refused, or a malformed answer)."""
 
 
+def _start(sample: Sample) -> int:
+    return len(sample.tokens) - sample.response_length - 1
+
+
 def scoring_request(samples: Sequence[Sample], temperature: float) -> dict[str, Any]:
-    """The batched `/generate` body that scores every sample's response tokens."""
-    starts = [len(s.tokens) - s.response_length - 1 for s in samples]
+    """The batched `/generate` body that scores the response tokens of samples that share a prompt length.
+
+    One `logprob_start_len` for the batch: SGLang takes a list there, but sglang-router 0.3.2 parses the field as
+    one integer (HTTP 422 otherwise), so callers batch the samples of one start together (`score_responses`)."""
+    starts = {_start(s) for s in samples}
+    if len(starts) != 1:
+        raise ValueError(f"one scoring request covers one prompt length; got starts {sorted(starts)}")
     return {
         "input_ids": [list(s.tokens) for s in samples],
         "sampling_params": {"max_new_tokens": 0, "temperature": float(temperature)},
         "return_logprob": True,
-        "logprob_start_len": starts,
+        "logprob_start_len": starts.pop(),
     }
 
 
@@ -63,13 +72,23 @@ async def score_responses(args: Any, model: str, samples: Sequence[Sample]) -> l
     if any(len(s.tokens) <= s.response_length for s in todo):
         raise ModelScoringError(f"{model}: a sample has no prompt token before its response; nothing to condition on")
     url = get_model_url(args, model, "/generate")
-    try:
-        answers = await post_json(url, scoring_request(todo, args.rollout_temperature))
-    except RuntimeError as e:
-        raise ModelScoringError(f"scoring {len(todo)} response(s) on model {model!r} ({url}) failed: {e}") from e
-    if not isinstance(answers, list) or len(answers) != len(todo):
-        raise ModelScoringError(f"model {model!r} answered {type(answers).__name__} for {len(todo)} prompts")
-    scored = {id(s): response_log_probs(a, s) for s, a in zip(todo, answers, strict=True)}
+    by_start: dict[int, list[Sample]] = {}
+    for s in todo:  # the samples of one prompt share its length: usually one request per group
+        by_start.setdefault(_start(s), []).append(s)
+
+    async def one(batch: list[Sample]) -> list[list[float]]:
+        try:
+            answers = await post_json(url, scoring_request(batch, args.rollout_temperature))
+        except RuntimeError as e:
+            raise ModelScoringError(f"scoring {len(batch)} response(s) on model {model!r} ({url}) failed: {e}") from e
+        if not isinstance(answers, list) or len(answers) != len(batch):
+            raise ModelScoringError(f"model {model!r} answered {type(answers).__name__} for {len(batch)} prompts")
+        return [response_log_probs(a, s) for s, a in zip(batch, answers, strict=True)]
+
+    batches = list(by_start.values())
+    scored = {}
+    for batch, lps in zip(batches, await asyncio.gather(*(one(b) for b in batches)), strict=True):
+        scored.update({id(s): lp for s, lp in zip(batch, lps, strict=True)})
     return [scored.get(id(s), []) for s in samples]
 
 

@@ -120,9 +120,11 @@ def test_several_teachers_combine_by_their_mean():
 def test_scoring_request_and_answer_layout():
     s = Sample(index=3, tokens=[5, 6, 7, 8, 9], response_length=2, status=Status.COMPLETED)
     body = scoring_request([s], 0.7)
-    assert body["logprob_start_len"] == [2] and body["sampling_params"] == {"max_new_tokens": 0, "temperature": 0.7}
+    assert body["logprob_start_len"] == 2 and body["sampling_params"] == {"max_new_tokens": 0, "temperature": 0.7}
     answer = {"meta_info": {"input_token_logprobs": [[None, 7, None], [-0.5, 8, None], [-0.25, 9, None]]}}
     assert response_log_probs(answer, s) == [-0.5, -0.25]
+    with pytest.raises(ValueError, match="one prompt length"):
+        scoring_request([s, Sample(tokens=[1, 2, 3], response_length=1)], 1.0)
     with pytest.raises(RuntimeError, match="sample 3"):
         response_log_probs({"meta_info": {"input_token_logprobs": [[None, 8, None], [-0.25, 9, None]]}}, s)
 
