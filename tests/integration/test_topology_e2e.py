@@ -71,6 +71,7 @@ def test_example_topology_trains_with_all_three_models(tmp_path):
     rollout = [
         "--prompt-data", str(assets / "data" / "train.jsonl"), "--input-key", "input", "--label-key", "label",
         "--apply-chat-template", "--rm-type", "reward_model_chat", "--rm-model-name", "reward",
+        "--metadata-key", "judge_metadata",  # the toy rows' metadata.rm_type (math) would win over --rm-type
         "--sglang-config", str(EX / "sglang_config.yaml"), "--rollout-num-gpus", "6", "--rollout-engine", "sim",
         "--sim-engine", "hf", "--sim-request-log-dir", str(logs),
     ]  # fmt: skip
@@ -104,7 +105,8 @@ def test_example_topology_trains_with_all_three_models(tmp_path):
     assert all(x["body"]["sampling_params"]["max_new_tokens"] == 0 for x in scoring)
     # reward: one chat completion per trajectory, on the reward model's engines only
     judged = [x for x in per_model["reward"] if x["endpoint"] == "/v1/chat/completions"]
-    assert len(judged) == total and all(x["status"] == 200 for x in judged)
+    seen = {m: Counter(x["endpoint"] for x in xs) for m, xs in per_model.items()}
+    assert len(judged) == total and all(x["status"] == 200 for x in judged), seen
     assert not [x for m in ("actor", "ref") for x in per_model[m] if x["endpoint"] == "/v1/chat/completions"]
 
     import torch
