@@ -126,5 +126,7 @@ def test_example_topology_trains_with_all_three_models(tmp_path):
     replay_flags = ["--load-debug-rollout-data", str(dump)]
     replay, tree = run_slime([*base, *replay_flags], tmp_path / "train_only")
     assert replay["server_info"]["engine_pids"] == [] and replay["server_info"]["router_pid"] is None
-    assert tree.cmdlines and tree.count("sglang") == 0 and tree.count("fake_sglang") == 0
+    # (the command line itself says `--opd-type sglang`: look for the servers' own names)
+    assert tree.cmdlines and tree.count("sglang::router") == 0 and tree.count("sglang_router") == 0
+    assert tree.count("fake_sglang") == 0
     assert all(s["dist_initialized"] for s in replay["train_status"])
