@@ -19,6 +19,9 @@ logger = logging.getLogger(__name__)
 
 def preflight(args: Namespace) -> int:
     """Validate files before anything starts; returns the number of training prompts (0 when replaying)."""
+    from slime.backends.sglang.sglang_config import check_model_references
+
+    check_model_references(args)  # teachers, served reference and reward model exist in --sglang-config
     if args.load_debug_rollout_data:
         first = args.load_debug_rollout_data.format(rollout_id=args.start_rollout_id or 0)
         if not os.path.isfile(first):

@@ -27,7 +27,12 @@ from sim.fake_sglang.protocol import (
     finish_abort,
     finish_length,
     finish_matched,
+    resolve_logprob_start,
 )
+from sim.fake_sglang.sampling import logprob_temperature, scripted_logprob
+
+# Per scored position: the log-prob of the prompt's next token, and the top-k (logprob, token_id) when asked.
+ScoredPrompt = tuple[list[float], list[list[tuple[float, int]]] | None]
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +107,45 @@ class Engine(ABC):
         return text
 
     def token_texts(self, req: GenRequest) -> list[str]:
-        return [self.decode([t], skip_special_tokens=False) for t in req.output_ids]
+        return [self.token_text(t) for t in req.output_ids]
+
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id], skip_special_tokens=False)
+
+    # ---- prompt scoring (return_logprob with logprob_start_len; max_new_tokens 0 = scoring only) -------------
+    def score_prompt(self, prompt_ids: list[int], start: int, temperature: float, top_k: int) -> ScoredPrompt:
+        """Log-probs of `prompt_ids[start + 1:]`, each given the tokens before it, at `temperature` (0 counts as 1),
+        and with `top_k` > 0 the top-k of the distribution at each of those positions.
+
+        Engines without a model report `scripted_logprob(token, position)`, with position the token's index in
+        the sequence, and rank the whole vocabulary by the same formula for top-k; the `hf` engine runs its model.
+        """
+        lps = [scripted_logprob(t, p) for p, t in enumerate(prompt_ids) if p > start]
+        if top_k <= 0:
+            return lps, None
+        vocab = torch.arange(self.vocab_size())
+        if not len(vocab):
+            raise BadRequest("top_logprobs_num needs a tokenizer (this engine serves none)")
+        tops = []
+        for p in range(start + 1, len(prompt_ids)):
+            values = -(0.05 + ((31 * vocab + 17 * p) % 97).double() / 100.0)
+            best = torch.topk(values, min(top_k, len(vocab)))  # ties resolve to torch.topk's order
+            tops.append(list(zip(best.values.tolist(), best.indices.tolist(), strict=True)))
+        return lps, tops
+
+    async def score_input(self, req: GenRequest) -> None:
+        """Fill `req.input_logprobs` / `input_top_logprobs` in SGLang's layout: one entry per prompt token from
+        `logprob_start_len` on, the first None (SGLang pads it; the last position's log-prob is the sampling one)."""
+        start = resolve_logprob_start(req.logprob_start_len, len(req.prompt_ids))
+        temperature = logprob_temperature(req.params.temperature)
+        async with self.step_lock:  # the weights must not change under a scoring forward
+            lps, tops = await self._score_prompt_async(req.prompt_ids, start, temperature, req.top_logprobs_num)
+        req.input_logprobs = [None, *lps]
+        if tops is not None:
+            req.input_top_logprobs = [None, *tops]
+
+    async def _score_prompt_async(self, prompt_ids: list[int], start: int, temperature: float, top_k: int):
+        return self.score_prompt(prompt_ids, start, temperature, top_k)
 
     # ---- request lifecycle --------------------------------------------------------------------------
     def submit(self, item: dict[str, Any]) -> GenRequest:
@@ -129,14 +172,23 @@ class Engine(ABC):
         else:
             self._seed_counter += 1
             gen.manual_seed(self.random_seed * 1_000_003 + self._seed_counter)
+        return_logprob = item.get("return_logprob", False)
+        start = int(item.get("logprob_start_len", -1))
+        top_k = max(0, int(item.get("top_logprobs_num", 0)))
+        if return_logprob:
+            resolve_logprob_start(start, len(prompt_ids))  # refuse a start past the prompt before admitting it
+            if top_k and params.max_new_tokens:
+                raise BadRequest("fake_sglang: top_logprobs_num is served for scoring only (max_new_tokens 0)")
         req = GenRequest(
             rid=item["rid"],
             prompt_ids=prompt_ids,
             params=params,
-            return_logprob=item.get("return_logprob", False),
+            return_logprob=return_logprob,
             return_text_in_logprobs=item.get("return_text_in_logprobs", False),
             stream=item.get("stream", False),
             generator=gen,
+            logprob_start_len=start,
+            top_logprobs_num=top_k,
         )
         self.prepare(req)
         self.requests[req.rid] = req

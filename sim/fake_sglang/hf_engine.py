@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from sim.fake_sglang.engine import Engine
+from sim.fake_sglang.engine import Engine, ScoredPrompt
 from sim.fake_sglang.protocol import BadRequest, GenRequest
 from sim.fake_sglang.sampling import sample_batch
 
@@ -187,6 +187,26 @@ class HFEngine(Engine):
 
     async def step(self, batch: list[GenRequest]) -> list[tuple[int, float]]:
         return await asyncio.to_thread(self._step_sync, batch)
+
+    @torch.no_grad()
+    def score_prompt(self, prompt_ids: list[int], start: int, temperature: float, top_k: int) -> ScoredPrompt:
+        """One teacher-forced forward of the prompt (its own row: no padding, no cache), fp32 log-softmax of the
+        logits at positions start..n-2 divided by `temperature`, read at the tokens that follow them."""
+        if start + 1 >= len(prompt_ids):
+            return [], ([] if top_k > 0 else None)
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        logits = self.model(input_ids=ids).logits[0, start:-1].float().cpu()
+        logprobs = torch.log_softmax(logits / temperature, dim=-1)
+        target = torch.tensor(prompt_ids[start + 1 :], dtype=torch.long)
+        lps = logprobs.gather(-1, target[:, None])[:, 0].tolist()
+        if top_k <= 0:
+            return lps, None
+        best = torch.topk(logprobs, min(top_k, logprobs.size(-1)), dim=-1)
+        tops = [list(zip(v, i, strict=True)) for v, i in zip(best.values.tolist(), best.indices.tolist(), strict=True)]
+        return lps, tops
+
+    async def _score_prompt_async(self, prompt_ids: list[int], start: int, temperature: float, top_k: int):
+        return await asyncio.to_thread(self.score_prompt, prompt_ids, start, temperature, top_k)
 
     async def load_named_tensors(self, named: list[tuple[str, torch.Tensor]]) -> None:
         params = self.model.state_dict(keep_vars=True)

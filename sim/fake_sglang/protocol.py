@@ -123,6 +123,12 @@ class GenRequest:
     return_logprob: bool = False
     return_text_in_logprobs: bool = False
     stream: bool = False
+    # io_struct.py GenerateReqInput: logprob_start_len (-1: only the last prompt token) and top_logprobs_num.
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    # Scored prompt tokens from `logprob_start_len` on (Engine.score_input); [0] is always None, as in SGLang.
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
@@ -212,6 +218,8 @@ def normalize_generate_body(body: dict[str, Any]) -> tuple[bool, list[dict[str, 
 
     sps = per_item("sampling_params", {})
     lps = per_item("return_logprob", False)
+    starts = per_item("logprob_start_len", -1)
+    tops = per_item("top_logprobs_num", 0)
     items = []
     for i, p in enumerate(prompts):
         items.append(
@@ -220,6 +228,8 @@ def normalize_generate_body(body: dict[str, Any]) -> tuple[bool, list[dict[str, 
                 "rid": rids[i],
                 "sampling_params": sps[i] or {},
                 "return_logprob": bool(lps[i]),
+                "logprob_start_len": int(starts[i]),
+                "top_logprobs_num": int(tops[i]),
                 "return_text_in_logprobs": bool(body.get("return_text_in_logprobs")),
                 "stream": bool(body.get("stream")),
             }
@@ -236,13 +246,22 @@ def has_lone_surrogate(s: str) -> bool:
     return False
 
 
-def build_response(req: GenRequest, text: str, weight_version: str, token_texts: list[str] | None) -> dict[str, Any]:
+def build_response(
+    req: GenRequest,
+    text: str,
+    weight_version: str,
+    token_texts: list[str] | None,
+    decode: Any = None,
+) -> dict[str, Any]:
     """The `/generate` answer for one request.
 
     python/sglang/srt/managers/tokenizer_manager.py (`_handle_batch_output` / `convert_logprob_style`):
     `{text, output_ids, meta_info}`; meta_info carries id, finish_reason (None until finished), prompt_tokens,
     completion_tokens, cached_tokens, weight_version, e2e_latency and, with return_logprob,
-    output_token_logprobs as `[logprob, token_id, text_or_None]` triples.
+    output_token_logprobs as `[logprob, token_id, text_or_None]` triples. input_token_logprobs cover the prompt
+    from `logprob_start_len` on and start with a None log-prob (scheduler_output_processor_mixin.py
+    `add_input_logprob_return_values` always pads the first one); input_top_logprobs likewise start with None,
+    then hold `top_logprobs_num` triples per position. `decode(token_id)` gives texts with return_text_in_logprobs.
     """
     meta: dict[str, Any] = {
         "id": req.rid,
@@ -255,9 +274,34 @@ def build_response(req: GenRequest, text: str, weight_version: str, token_texts:
         "e2e_latency": (req.finished_at or time.time()) - req.created,
     }
     if req.return_logprob:
-        meta["input_token_logprobs"] = []
+        meta["input_token_logprobs"] = [
+            [lp, tid, decode(tid) if decode else None]
+            for lp, tid in zip(req.input_logprobs or [], _scored_ids(req), strict=True)
+        ]
         meta["output_token_logprobs"] = [
             [lp, tid, token_texts[i] if token_texts else None]
             for i, (lp, tid) in enumerate(zip(req.output_logprobs, req.output_ids, strict=True))
         ]
+        if req.top_logprobs_num > 0:
+            meta["input_top_logprobs"] = [
+                None if top is None else [[lp, tid, decode(tid) if decode else None] for lp, tid in top]
+                for top in req.input_top_logprobs or []
+            ]
+            meta["output_top_logprobs"] = []  # only scoring (max_new_tokens 0) may ask for top log-probs
     return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+
+
+def _scored_ids(req: GenRequest) -> list[int]:
+    return req.prompt_ids[resolve_logprob_start(req.logprob_start_len, len(req.prompt_ids)) :]
+
+
+def resolve_logprob_start(logprob_start_len: int, prompt_len: int) -> int:
+    """scheduler.py handle_generate_request: -1 scores only the last prompt token (len - 1); tokenizer_manager
+    refuses a start at or past the prompt's end (the client's error)."""
+    if logprob_start_len == -1:
+        return prompt_len - 1
+    if logprob_start_len < -1:
+        raise BadRequest(f"logprob_start_len must be -1 or >= 0, got {logprob_start_len}.")
+    if logprob_start_len >= prompt_len:
+        raise BadRequest(f"logprob_start_len ({logprob_start_len}) is larger than the input length ({prompt_len}).")
+    return logprob_start_len

@@ -17,6 +17,17 @@ import torch
 SAMPLING_EPS = 1e-6
 
 
+def scripted_logprob(token_id: int, position: int) -> float:
+    """The log-prob engines without a model report: deterministic, strictly negative, and dependent on both the
+    token and its position, so an off-by-one in log-prob alignment shows."""
+    return -(0.05 + ((31 * token_id + 17 * position) % 97) / 100.0)
+
+
+def logprob_temperature(temperature: float) -> float:
+    """The temperature log-probs are computed at: 0 (greedy) counts as 1, as in SGLang."""
+    return 1.0 if temperature < SAMPLING_EPS else temperature
+
+
 def filter_probs(probs: torch.Tensor, top_p: float = 1.0, top_k: int = -1, min_p: float = 0.0) -> torch.Tensor:
     """Zero out tokens outside top-k / top-p / min-p and renormalise (1-D `probs`)."""
     probs = probs.clone()

@@ -39,10 +39,9 @@ import yaml
 
 from sim.fake_sglang.engine import Engine
 from sim.fake_sglang.protocol import GenRequest, finish_length
+from sim.fake_sglang.sampling import scripted_logprob
 
-
-def scripted_logprob(token_id: int, position: int) -> float:
-    return -(0.05 + ((31 * token_id + 17 * position) % 97) / 100.0)
+__all__ = ["ScriptedEngine", "load_script", "scripted_logprob"]
 
 
 def load_script(path: str | Path) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from sim.fake_sglang.contract import generate_contract_error
 from sim.fake_sglang.disagg import PDError, PrefillRooms, await_prefill
 from sim.fake_sglang.engine import Engine
 from sim.fake_sglang.multinode import NodeRendezvous
+from sim.fake_sglang.openai_chat import register_chat_completions
 from sim.fake_sglang.protocol import BadRequest, GenRequest, build_response, normalize_generate_body
 from sim.fake_sglang.validation import RequestError, read_body
 from sim.fake_sglang.weight_group import register_weight_group_endpoints
@@ -100,6 +101,7 @@ def build_app(
             engine.output_text(req),
             engine.weight_version,
             engine.token_texts(req) if req.return_text_in_logprobs else None,
+            engine.token_text if req.return_text_in_logprobs else None,
         )
 
     @web.middleware
@@ -183,6 +185,9 @@ def build_app(
                 engine.forget(r)
             raise
         try:
+            for r in reqs:
+                if r.return_logprob:  # the prompt's log-probs (SGLang computes them in the prefill)
+                    await engine.score_input(r)
             if body.get("stream"):
                 return await _stream(request, reqs, is_batch)
             for r in reqs:
@@ -445,6 +450,8 @@ def build_app(
         r.add_post(path, handler)
     r.add_post("/_fault", fault)
     register_weights_checker(app, engine)  # GET/POST /weights_checker (http_server.py: check_weights)
+    # POST /v1/chat/completions (serving_chat.py): generative reward models are asked through it
+    register_chat_completions(app, engine, str(server_args.get("served_model_name") or "default"))
 
     async def on_cleanup(_app: web.Application) -> None:
         log.close()

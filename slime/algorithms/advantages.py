@@ -25,6 +25,7 @@ import torch
 
 from slime.algorithms.cp_slicing import response_ranges_for_cp, slice_response_for_cp
 from slime.algorithms.kl import compute_approx_kl
+from slime.algorithms.opd import apply_opd
 from slime.parallel_state import ParallelState
 from slime.utils.misc import load_function
 
@@ -231,13 +232,26 @@ def distributed_masked_whiten(
     return [t.to(v.dtype) for t, v in zip(out.split([v.shape[0] for v in values]), values, strict=True)]
 
 
+def opd_inputs(args: Any, batch: dict[str, Any]) -> tuple[list[torch.Tensor], list[Any]]:
+    """(student, teacher) log-probs for OPD: the student's are π_old (the rollout's under --use-rollout-logprobs)."""
+    student = batch.get("rollout_log_probs") if args.use_rollout_logprobs else batch.get("log_probs")
+    teacher = batch.get("teacher_log_probs")
+    if student is None or teacher is None:
+        raise ValueError(
+            "--use-opd needs the student's log-probs and batch['teacher_log_probs'] (from --opd-teacher-models with "
+            "--opd-type sglang, or the --opd-teacher-load forward with --opd-type megatron)"
+        )
+    return list(student), list(teacher)
+
+
 def compute_advantages_and_returns(
     args: Any, batch: dict[str, Any], ps: ParallelState | None = None
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-token CP-local advantages and returns for `--advantage-estimator`, written into `batch`.
 
     KL for reward shaping uses `--kl-loss-type` between ℓ (rollout log-probs under `--use-rollout-logprobs`)
-    and ℓ_ref, and is zero when `--kl-coef` is 0 (no reference pass then).
+    and ℓ_ref, and is zero when `--kl-coef` is 0 (no reference pass then). `--use-opd` then subtracts
+    `--opd-kl-coef`·(ℓ − ℓ_teacher) per token (slime/algorithms/opd.py), before `--normalize-advantages`.
     """
     cp_size, cp_rank = _cp(ps)
     totals = list(batch["total_lengths"])
@@ -289,6 +303,8 @@ def compute_advantages_and_returns(
 
     advantages = [a.to(device) for a in advantages]
     returns = [r.to(device) for r in returns]
+    if args.use_opd:
+        advantages = apply_opd(advantages, *opd_inputs(args, batch), args.opd_kl_coef)
     if args.normalize_advantages:
         local_masks = [
             slice_response_for_cp(m, t, r, cp_size, cp_rank) for m, t, r in zip(full_masks, totals, resps, strict=True)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from slime.utils.errors import SlimeArgError
 
 # Flags whose features are not built yet; setting one is refused before Ray starts (slime/arguments.py).
 UNSUPPORTED = {
     "ref_ckpt_step": "--ref-load takes an HF checkpoint directory (no iterations to pick from)",
+    "opd_teacher_ckpt_step": "--opd-teacher-load takes an HF checkpoint directory (no iterations to pick from)",
 }
 
 
@@ -52,6 +54,34 @@ def add_algorithm_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="copy the actor's weights into the reference policy after every N rollouts",
+    )
+    g.add_argument(
+        "--ref-model-name",
+        default=None,
+        help="take the reference log-probs from this --sglang-config model (scored on the rollout side) instead "
+        "of a reference copy of the weights on the trainer",
+    )
+    g.add_argument(
+        "--use-opd",
+        action="store_true",
+        help="on-policy distillation: every response token's advantage -= --opd-kl-coef * (student - teacher) log-prob",
+    )
+    g.add_argument(
+        "--opd-type",
+        choices=["sglang", "megatron"],
+        default=None,
+        help="sglang: teacher log-probs from --opd-teacher-models of --sglang-config (rollout side); megatron: "
+        "from the --opd-teacher-load checkpoint, forwarded on the trainer",
+    )
+    g.add_argument("--opd-kl-coef", type=float, default=1.0)
+    g.add_argument("--opd-teacher-load", default=None, help="--opd-type megatron: the teacher's HF checkpoint")
+    g.add_argument("--opd-teacher-ckpt-step", type=int, default=None, help="not supported yet")
+    g.add_argument(
+        "--opd-teacher-models",
+        nargs="+",
+        default=["teacher"],
+        help="--opd-type sglang: the --sglang-config models that score each response; with several, the teacher "
+        "log-prob of a token is their mean (docs/algorithms.md#on-policy-distillation)",
     )
     g.add_argument("--entropy-coef", type=float, default=0.0)
     g.add_argument("--gamma", type=float, default=1.0)
@@ -119,3 +149,29 @@ def validate_algorithm_args(args: argparse.Namespace) -> None:
             raise SlimeArgError("--ref-update-interval needs a reference policy (--use-kl-loss or --kl-coef)")
     if args.n_samples_per_prompt == 1:
         args.disable_grpo_std_normalization = True
+    validate_opd_args(args)
+    if args.ref_model_name is not None:
+        if not (args.use_kl_loss or args.kl_coef):
+            raise SlimeArgError("--ref-model-name needs a reference policy in the loss (--use-kl-loss or --kl-coef)")
+        if args.ref_load or args.ref_update_interval:
+            raise SlimeArgError(
+                "--ref-model-name serves the reference from --sglang-config; --ref-load and --ref-update-interval "
+                "configure the trainer-side copy instead"
+            )
+
+
+def validate_opd_args(args: argparse.Namespace) -> None:
+    if not args.use_opd:
+        if args.opd_type is not None or args.opd_teacher_load is not None:
+            raise SlimeArgError("--opd-type / --opd-teacher-load are read only with --use-opd")
+        return
+    if args.opd_type is None:
+        raise SlimeArgError("--use-opd needs --opd-type sglang (teacher models of --sglang-config) or megatron")
+    if args.opd_type == "megatron" and not args.opd_teacher_load:
+        raise SlimeArgError("--opd-type megatron needs --opd-teacher-load (the teacher's HF checkpoint)")
+    if args.opd_teacher_load and not os.path.isfile(os.path.join(args.opd_teacher_load, "config.json")):
+        raise SlimeArgError(f"--opd-teacher-load {args.opd_teacher_load}: no config.json there (expected an HF dir)")
+    if args.opd_type == "sglang" and args.opd_teacher_load:
+        raise SlimeArgError("--opd-type sglang scores with --opd-teacher-models; --opd-teacher-load is for megatron")
+    if args.loss_type != "policy_loss":
+        raise SlimeArgError("--use-opd changes the advantages of --loss-type policy_loss only")

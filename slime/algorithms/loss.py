@@ -173,6 +173,11 @@ def policy_loss_function(
         metrics["kl_loss"] = kl_loss
         loss = loss + float(args.kl_loss_coef) * kl_loss
 
+    teacher = batch.get("teacher_log_probs")
+    if args.use_opd and teacher:
+        # the reverse KL(student ‖ teacher) estimate OPD pulls down, at the current weights
+        metrics["opd_reverse_kl"] = reduce(lp_all.detach() - _cat(teacher).to(lp_all.device, dtype))
+
     if rollout:
         diff = (_cat(train_lp).detach().to(dtype) - _cat(rollout).to(dtype)).abs()
         metrics["train_rollout_logprob_abs_diff"] = reduce(diff)

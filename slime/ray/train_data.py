@@ -9,7 +9,8 @@ The train-data dict (what a train rank receives; `docs/architecture.md` shows it
 `tokens`, `response_lengths`, `total_lengths`, `loss_masks`, `group_mask_sums`, `rewards`, `raw_reward`,
 `truncated`, `sample_indices`, `group_ids`, `origin_rollout_ids`, `batch_positions` (index in the rollout's
 train batch) and `next_segments` (the batch position of the same group's next segment, -1 if none), optional
-`rollout_log_probs` and `metadata` (plus any other per-sample list a custom conversion adds), and the schedule: `micro_batch_indices` (this
+`rollout_log_probs`, `teacher_log_probs` (OPD from --sglang-config), `ref_log_probs` (--ref-model-name) and
+`metadata` (plus any other per-sample list a custom conversion adds), and the schedule: `micro_batch_indices` (this
 rank's micro-batches as indices into the lists), `num_microbatches` and `global_batch_sizes` per step.
 """
 
@@ -65,9 +66,24 @@ def samples_to_train_data(args: Namespace, samples: list[Sample]) -> dict[str, l
     }
     if samples and all(s.rollout_log_probs is not None for s in samples):
         data["rollout_log_probs"] = [s.rollout_log_probs for s in samples]
+    # scored on the rollout side by other models of --sglang-config (slime/rollout/model_scoring.py)
+    for key, wanted in (
+        ("teacher_log_probs", args.use_opd and args.opd_type == "sglang"),
+        ("ref_log_probs", args.ref_model_name is not None),
+    ):
+        if wanted:
+            data[key] = [_scored(s, key) for s in samples]
     if any(s.train_metadata for s in samples):
         data["metadata"] = [s.train_metadata for s in samples]
     return data
+
+
+def _scored(sample: Sample, key: str) -> list[float]:
+    values = getattr(sample, key)
+    if values is None or len(values) != sample.response_length:
+        got = "none" if values is None else f"{len(values)} values"
+        raise ValueError(f"sample {sample.index}: {key} has {got} for {sample.response_length} response tokens")
+    return list(values)
 
 
 def convert_samples(args: Namespace, samples: list[Sample]) -> dict[str, list[Any]]:

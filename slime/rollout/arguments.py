@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from slime.utils.errors import SlimeArgError
 
@@ -64,6 +65,17 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rm-type", default=None)
     g.add_argument("--rm-url", default=None)
     g.add_argument("--custom-rm-path", default=None)
+    g.add_argument(
+        "--rm-model-name",
+        default="reward",
+        help="--rm-type reward_model / reward_model_chat: the --sglang-config model that judges the responses",
+    )
+    g.add_argument(
+        "--rm-judge-template",
+        default=None,
+        help="text file of the judge prompt with {prompt}, {response}, {label}; its answer must hold 'score: <x>'",
+    )
+    g.add_argument("--rm-judge-max-tokens", type=int, default=32, help="longest judge answer read for a score")
     g.add_argument("--group-rm", action="store_true")
     g.add_argument("--reward-key", default=None)
     g.add_argument("--eval-reward-key", default=None)
@@ -114,3 +126,7 @@ def validate_rollout_args(args: argparse.Namespace) -> None:
     if args.eval_prompt_data is not None and len(args.eval_prompt_data) % 2:
         raise SlimeArgError("--eval-prompt-data takes pairs: name path [name path ...]")
     args.eval_function_path = args.eval_function_path or args.rollout_function_path
+    if args.rm_judge_template is not None and not os.path.isfile(args.rm_judge_template):
+        raise SlimeArgError(f"--rm-judge-template: file not found: {args.rm_judge_template}")
+    if args.rm_judge_max_tokens < 1:
+        raise SlimeArgError("--rm-judge-max-tokens must be >= 1")

@@ -19,6 +19,8 @@ from typing import Any
 import aiohttp
 
 from slime.rollout.dataset import load_tokenizer
+from slime.rollout.model_scoring import attach_model_log_probs, needs_model_scoring
+from slime.rollout.model_urls import get_model_url
 from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.scheduling.staleness import mark_context_only
 from slime.utils.http_utils import get_session, post_json
@@ -31,18 +33,6 @@ logger = logging.getLogger(__name__)
 # `--router-policy consistent_hashing` (0.3.2's `manual` policy, docs/router.md), so every turn of a session,
 # and every sample of a prompt group, lands on the engine that holds its prefix in cache.
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
-
-
-def get_model_url(args: Any, name: str | None = None, endpoint: str = "/generate") -> str:
-    """The router URL of model `name` (from `--sglang-config`), or of the actor model when `name` is None."""
-    if name is None:
-        return f"http://{args.sglang_router_ip}:{args.sglang_router_port}{endpoint}"
-    routers: dict[str, str] = args.sglang_model_routers or {}
-    if name not in routers:
-        raise KeyError(
-            f"no router for model {name!r}; known models: {sorted(routers) or 'none'} (see --sglang-config)"
-        )
-    return routers[name].rstrip("/") + endpoint
 
 
 async def post_generate_with_failover(
@@ -264,6 +254,8 @@ async def generate_and_rm_group(
     if state.aborted:
         return group
     results = list(await asyncio.gather(*(generate_and_rm(args, s, dict(sampling_params), evaluation) for s in group)))
+    if not evaluation and needs_model_scoring(args) and not state.aborted:
+        await attach_model_log_probs(args, flatten_group(results))  # teachers / reference, one request per model
     if args.group_rm and not state.aborted:
         flat = flatten_group(results)
         if not any(s.status == Status.ABORTED for s in flat):

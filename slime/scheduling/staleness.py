@@ -93,6 +93,7 @@ def reset_for_retry(group: list[Sample | list[Sample]]) -> list[Sample]:
         s.rollout_log_probs = None
         s.rollout_routed_experts = None
         s.teacher_log_probs = None
+        s.ref_log_probs = None
         s.weight_versions = []
         s.weight_version_spans = []
         s.remove_sample = False

@@ -50,7 +50,10 @@ class Sample:
     rollout_log_probs: list[float] | None = None
     rollout_routed_experts: Any = None
     remove_sample: bool = False
+    # Per response token, scored on the rollout side by other models of --sglang-config: the OPD teacher(s)
+    # (--use-opd --opd-type sglang) and the reference policy (--ref-model-name; beyond slime).
     teacher_log_probs: list[float] | None = None
+    ref_log_probs: list[float] | None = None
     status: Status = Status.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
     generate_function_path: str | None = None

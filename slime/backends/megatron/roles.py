@@ -77,6 +77,9 @@ CRITIC_FIXED = {
     "kl_loss_coef": 0.0,
     "ref_load": None,
     "ref_update_interval": None,
+    "use_opd": False,  # OPD shapes the actor's advantages; the critic fits the task reward's returns
+    "opd_type": None,
+    "opd_teacher_load": None,
     "custom_megatron_before_log_prob_hook_path": None,
     "rollout_data_postprocess_path": None,
     "save_hf": None,

@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
-from slime.algorithms.advantages import compute_advantages_and_returns, distributed_masked_whiten
+from slime.algorithms.advantages import compute_advantages_and_returns, distributed_masked_whiten, opd_inputs
 from slime.algorithms.logprobs import packed_response_logprobs_and_entropy
 from slime.algorithms.loss import loss_function
+from slime.algorithms.opd import apply_opd
 from slime.algorithms.ppo import ppo_advantages
 from slime.algorithms.reducers import reduce_train_metrics, scale_for_megatron
 from slime.backends.megatron.checkpoint import allocate_optimizer_state
@@ -126,13 +127,12 @@ class MegatronTrainer:
             wd_incr_style="constant",
         )
         self.ref_params: dict[str, torch.Tensor] | None = None
-        if args.use_kl_loss or args.kl_coef:
-            # The reference policy: the initial weights (or --ref-load, an HF dir), kept on the host.
-            if args.ref_load:
-                load_hf_weights(model, args.ref_load, self.spec, self.ps)
-            self.ref_params = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
-            if args.ref_load:
-                load_hf_weights(model, args.hf_checkpoint, self.spec, self.ps)
+        if (args.use_kl_loss or args.kl_coef) and not args.ref_model_name:
+            # The reference policy: the initial weights (or --ref-load, an HF dir), kept on the host. With
+            # --ref-model-name an SGLang model scores it on the rollout side and no copy is kept here.
+            self.ref_params = self._host_copy(model, args.ref_load)
+        # --opd-type megatron: the teacher (same architecture) as a pinned host copy, swapped in for its forward
+        self.teacher_params = self._host_copy(model, args.opd_teacher_load) if args.opd_type == "megatron" else None
         # --data-pad-size-multiplier (x TP with sequence parallel: megatron splits the row over TP ranks)
         self.pad_multiple = args.data_pad_size_multiplier * (self.ps.size("tp") if args.sequence_parallel else 1)
         self._hooks = {
@@ -146,6 +146,19 @@ class MegatronTrainer:
         }
         self.weight_version = 0
         self.train_step_id = 0
+
+    def _host_copy(self, model: Any, hf_dir: str | None) -> dict[str, torch.Tensor]:
+        """This rank's shard of `hf_dir`'s weights (None: the current ones) on the host, pinned when CUDA is there
+        (55 GB/s copies back, docs/memory.md); the model keeps the actor's weights."""
+        if hf_dir:
+            load_hf_weights(model, hf_dir, self.spec, self.ps)
+        pin = torch.cuda.is_available()
+        out = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
+        if pin:
+            out = {n: t.pin_memory() for n, t in out.items()}
+        if hf_dir:
+            load_hf_weights(model, self.args.hf_checkpoint, self.spec, self.ps)
+        return out
 
     def _build_model(self) -> Any:
         """This rank's GPTModel with the HF checkpoint's weights (the critic replaces it: critic.py)."""
@@ -189,7 +202,7 @@ class MegatronTrainer:
     def _microbatches(self, data: dict[str, Any]) -> list[dict[str, Any]]:
         """Per-sample fields of each micro-batch, in schedule order (steps concatenated)."""
         per_sample = ("tokens", "total_lengths", "response_lengths", "loss_masks", "group_mask_sums", "rewards")
-        optional = [k for k in ("rollout_log_probs",) if k in data]
+        optional = [k for k in ("rollout_log_probs", "teacher_log_probs", "ref_log_probs") if k in data]
         out = []
         for idx in data["micro_batch_indices"]:
             mb = {k: [data[k][i] for i in idx] for k in (*per_sample, *optional)}
@@ -276,10 +289,12 @@ class MegatronTrainer:
                 mb["log_probs"] = [
                     torch.tensor(x, dtype=torch.float32, device=_device()) for x in mb["rollout_log_probs"]
                 ]
-        if self.ref_params is not None:
-            actor = self._swap_params(self.ref_params)
-            self._compute_logprobs(mbs, "ref_log_probs", store_prefix="ref_")
-            self._swap_params(actor)
+        for key, params, prefix in (("ref_log_probs", self.ref_params, "ref_"),
+                                    ("teacher_log_probs", self.teacher_params, "teacher_")):  # fmt: skip
+            if params is not None:
+                actor = self._swap_params(params)
+                self._compute_logprobs(mbs, key, store_prefix=prefix)
+                self._swap_params(actor)
         timings["time/log_probs"] = time.perf_counter() - t0
         memory.end("actor_log_probs")
         for mb in mbs:
@@ -352,17 +367,16 @@ class MegatronTrainer:
         """Turn one micro-batch's lists into the tensors `loss_function` expects (CP=1: responses whole)."""
         dev = _device()
         mb["loss_masks"] = [torch.tensor(m, dtype=torch.float32, device=dev) for m in mb["loss_masks"]]
-        if "rollout_log_probs" in mb:
-            mb["rollout_log_probs"] = [
-                torch.tensor(x, dtype=torch.float32, device=dev) for x in mb["rollout_log_probs"]
-            ]
+        for key in ("rollout_log_probs", "teacher_log_probs", "ref_log_probs"):  # lists from the rollout side
+            if key in mb:
+                mb[key] = [torch.as_tensor(x, dtype=torch.float32, device=dev) for x in mb[key]]
         batch = {
             "rewards": mb["rewards"],
             "loss_masks": mb["loss_masks"],
             "response_lengths": mb["response_lengths"],
             "total_lengths": mb["total_lengths"],
         }
-        for k in ("log_probs", "ref_log_probs", "values"):
+        for k in ("log_probs", "ref_log_probs", "teacher_log_probs", "rollout_log_probs", "values"):
             if k in mb:
                 batch[k] = mb[k]
         ppo_builtin = self.args.advantage_estimator == "ppo" and not self.args.custom_advantage_function_path
@@ -377,12 +391,14 @@ class MegatronTrainer:
         too), written back into each micro-batch's `advantages` / `returns`."""
         order = [(j, p) for j, mb in enumerate(mbs) for p in range(len(mb["tokens"]))]
         flat: dict[str, list[Any]] = {}
-        for key in ("rewards", "loss_masks", "total_lengths", "response_lengths", "values", "log_probs", "ref_log_probs", "rollout_log_probs"):  # fmt: skip
+        for key in ("rewards", "loss_masks", "total_lengths", "response_lengths", "values", "log_probs", "ref_log_probs", "rollout_log_probs", "teacher_log_probs"):  # fmt: skip
             if all(key in mbs[j] for j, _ in order):  # a rank without samples still joins the collectives
                 flat[key] = [mbs[j][key][p] for j, p in order]
         for key in ("batch_positions", "next_segments"):
             flat[key] = [data[key][mbs[j]["indices"][p]] for j, p in order]
         adv, ret = ppo_advantages(self.args, flat, self.ps, kl_coef=kl_coef)
+        if self.args.use_opd:
+            adv = apply_opd(adv, *opd_inputs(self.args, flat), self.args.opd_kl_coef)
         if self.args.normalize_advantages:
             adv = distributed_masked_whiten(adv, [torch.as_tensor(m) for m in flat.get("loss_masks", [])], self.ps)
         for mb in mbs:
@@ -398,6 +414,7 @@ class MegatronTrainer:
         "log_probs",
         "ref_log_probs",
         "rollout_log_probs",
+        "teacher_log_probs",
         "advantages",
         "returns",
     )

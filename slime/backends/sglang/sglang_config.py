@@ -314,3 +314,31 @@ def resolve_sglang_config(args: Namespace) -> SGLangConfig:
     if args.sglang_config:
         return load_sglang_config(args.sglang_config, args)
     return config_from_flags(args)
+
+
+def referenced_models(args: Namespace) -> dict[str, str]:
+    """Models of the topology that flags name, {model: flag}: OPD teachers, the served reference, the reward model."""
+    out: dict[str, str] = {}
+    if args.use_opd and args.opd_type == "sglang":
+        out.update(dict.fromkeys(args.opd_teacher_models, "--opd-teacher-models"))
+    if args.ref_model_name:
+        out[args.ref_model_name] = "--ref-model-name"
+    if not args.custom_rm_path and args.rm_type in ("reward_model", "reward_model_chat"):
+        out[args.rm_model_name] = "--rm-model-name"
+    return out
+
+
+def check_model_references(args: Namespace) -> None:
+    """Every model a flag names is served by the topology, and none of them is the trained one (a teacher, a
+    reference or a judge that received the actor's weights would score the actor against itself)."""
+    wanted = referenced_models(args)
+    if not wanted or args.debug_train_only or args.rollout_external:
+        return
+    config = resolve_sglang_config(args)
+    names = {m.name for m in config.models}
+    for name, flag in wanted.items():
+        if name not in names:
+            raise SlimeArgError(f"{flag} {name}: no such model in {config.source or 'the topology'} "
+                                f"(models: {', '.join(sorted(names))}); declare it in --sglang-config")  # fmt: skip
+        if config.model(name).receives_weights:
+            raise SlimeArgError(f"{flag} {name}: that model receives the actor's weights; set update_weights: false")

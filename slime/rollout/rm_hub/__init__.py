@@ -20,6 +20,7 @@ from slime.rollout.rm_hub.boxed import last_boxed_answer
 from slime.rollout.rm_hub.f1 import f1_score
 from slime.rollout.rm_hub.math_grader import grade_math
 from slime.rollout.rm_hub.remote import close_remote_session, remote_rm
+from slime.rollout.rm_hub.reward_model import reward_model_chat_rewards, reward_model_rewards
 from slime.utils.errors import SlimeArgError
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
@@ -51,7 +52,9 @@ _LOCAL_RMS: dict[str, Callable[[Any, Sample, str], float]] = {
     "f1": lambda args, sample, response: f1_score(response, sample.label),
     "random": _random_rm,
 }
-KNOWN_RM_TYPES: tuple[str, ...] = (*_LOCAL_RMS, "remote_rm")
+# asked of a reward model of --sglang-config (--rm-model-name): a list of samples in, one reward each out
+_MODEL_RMS = {"reward_model": reward_model_rewards, "reward_model_chat": reward_model_chat_rewards}
+KNOWN_RM_TYPES: tuple[str, ...] = (*_LOCAL_RMS, "remote_rm", *_MODEL_RMS)
 
 
 @functools.lru_cache(maxsize=32)
@@ -81,10 +84,12 @@ async def async_rm(args: Any, sample: Sample) -> Reward:
     if rm_type.startswith("boxed_"):
         base = rm_type[len("boxed_") :]
         response = last_boxed_answer(response) or ""
-    if base == "remote_rm":
+    if base in ("remote_rm", *_MODEL_RMS):
         if base != rm_type:
             sample = dataclasses.replace(sample, response=response)
-        return await remote_rm(args, sample)
+        if base == "remote_rm":
+            return await remote_rm(args, sample)
+        return (await _MODEL_RMS[base](args, [sample]))[0]
     fn = _LOCAL_RMS.get(base)
     if fn is None:
         raise SlimeArgError(
@@ -105,4 +110,7 @@ async def batched_async_rm(args: Any, samples: list[Sample]) -> list[Reward]:
             got = len(rewards) if isinstance(rewards, (list, tuple)) else type(rewards).__name__
             raise ValueError(f"group rm {custom!r} returned {got} rewards for {len(samples)} samples")
         return list(rewards)
+    types = {(s.metadata or {}).get("rm_type") or args.rm_type for s in samples}
+    if not custom and len(types) == 1 and (rm_type := types.pop()) in _MODEL_RMS:
+        return list(await _MODEL_RMS[rm_type](args, samples))  # one batched call for the whole list
     return list(await asyncio.gather(*(async_rm(args, s) for s in samples)))

@@ -56,6 +56,31 @@ def _reward_from_body(body: Any) -> float | dict[str, Any]:
     raise RemoteRMError(f"reward service answered {body!r}; expected a number or a JSON object")
 
 
+async def post_with_retries(
+    url: str, payload: Any, *, what: str, max_tries: int = MAX_TRIES, base_delay: float = 0.5, max_delay: float = 8.0
+) -> Any:
+    """POST `payload` and return the decoded JSON answer. Transient failures (connection errors, timeouts, HTTP
+    5xx/429) are retried with exponential backoff; another 4xx, or the last failure, raises RemoteRMError."""
+    last_error: str = ""
+    for attempt in range(max_tries):
+        try:
+            async with _session().post(url, json=payload) as resp:
+                if resp.status < 400:
+                    return await resp.json(content_type=None)
+                text = (await resp.text())[:200]
+                if resp.status != 429 and resp.status < 500:
+                    raise RemoteRMError(f"{what} {url} answered HTTP {resp.status}: {text}")
+                last_error = f"HTTP {resp.status}: {text}"
+        except (TimeoutError, aiohttp.ClientError) as e:
+            last_error = f"{type(e).__name__}: {e}"
+        if attempt + 1 < max_tries:
+            delay = min(base_delay * 2**attempt, max_delay)
+            logger.warning("%s %s failed (try %d/%d: %s); retrying in %.1fs", what, url, attempt + 1, max_tries,
+                           last_error, delay)  # fmt: skip
+            await asyncio.sleep(delay)
+    raise RemoteRMError(f"{what} {url} failed {max_tries} times; last error: {last_error}")
+
+
 async def remote_rm(
     args: Any, sample: Sample, *, max_tries: int = MAX_TRIES, base_delay: float = 0.5, max_delay: float = 8.0
 ) -> float | dict[str, Any]:
@@ -64,27 +89,7 @@ async def remote_rm(
     if not url:
         raise RemoteRMError("rm_type 'remote_rm' needs --rm-url (the reward service's URL)")
     payload = {"prompt": sample.prompt, "response": sample.response, "label": sample.label}
-    last_error: str = ""
-    for attempt in range(max_tries):
-        try:
-            async with _session().post(url, json=payload) as resp:
-                if resp.status < 400:
-                    return _reward_from_body(await resp.json(content_type=None))
-                text = (await resp.text())[:200]
-                if resp.status != 429 and resp.status < 500:
-                    raise RemoteRMError(f"reward service {url} answered HTTP {resp.status}: {text}")
-                last_error = f"HTTP {resp.status}: {text}"
-        except (TimeoutError, aiohttp.ClientError) as e:
-            last_error = f"{type(e).__name__}: {e}"
-        if attempt + 1 < max_tries:
-            delay = min(base_delay * 2**attempt, max_delay)
-            logger.warning(
-                "remote_rm %s failed (try %d/%d: %s); retrying in %.1fs",
-                url,
-                attempt + 1,
-                max_tries,
-                last_error,
-                delay,
-            )
-            await asyncio.sleep(delay)
-    raise RemoteRMError(f"reward service {url} failed {max_tries} times; last error: {last_error}")
+    body = await post_with_retries(
+        url, payload, what="reward service", max_tries=max_tries, base_delay=base_delay, max_delay=max_delay
+    )
+    return _reward_from_body(body)
