@@ -38,15 +38,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         time.sleep(2)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # xdist_group("cluster") (servers, Ray, process groups) keeps one module's tests on one worker, so its
-    # module-scoped servers start once; different modules run side by side (ports: slime/utils/process.py
-    # `start_with_free_port` retries a start that lost its port to the other worker).
-    for it in items:
-        mark = it.get_closest_marker("xdist_group")
-        if mark is not None and (mark.args[0] if mark.args else mark.kwargs.get("name")) == "cluster":
-            it.add_marker(pytest.mark.xdist_group(f"cluster:{it.nodeid.split('::')[0]}"))
     unmarked = [it.nodeid for it in items if not ({"cpu", "gpu"} & {m.name for m in it.iter_markers()})]
     if unmarked:
         raise pytest.UsageError("tests without a `cpu` or `gpu` marker (docs/testing.md):\n  " + "\n  ".join(unmarked))

@@ -31,7 +31,7 @@ from slime.arguments import default_args
 from slime.utils.async_utils import run
 from slime.utils.types import Sample, Status
 
-pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("cluster")]
+pytestmark = pytest.mark.cpu
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "agent"
 VERSIONS = {"claude": "2.1.197 (Claude Code)", "codex": "codex-cli 0.171.0"}

@@ -21,7 +21,7 @@ from slime.agent.harness.cli import trainable
 from slime.agent.stores import RedisSessionStore
 from slime.utils.async_utils import run
 
-pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("cluster")]
+pytestmark = pytest.mark.cpu
 
 
 def call(name: str, arguments: dict[str, Any]) -> str:

@@ -18,7 +18,7 @@ from slime.agent.gateway import Gateway
 from slime.utils.async_utils import run
 from slime.utils.http_utils import find_free_port
 
-pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("cluster")]
+pytestmark = pytest.mark.cpu
 
 BODIES = {
     "/v1/chat/completions": {"model": "m", "messages": [{"role": "user", "content": "hi"}]},

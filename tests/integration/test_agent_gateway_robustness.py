@@ -19,7 +19,7 @@ from sim.fake_sglang.testing import launch_fake_sglang
 from slime.agent.gateway import Gateway
 from slime.utils.async_utils import run
 
-pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("cluster")]
+pytestmark = pytest.mark.cpu
 
 LIMIT = 64 * 1024
 ALLOWED = {200, 400, 401, 404, 409, 413}

@@ -27,7 +27,7 @@ from sim.fake_sglang.testing import launch_fake_sglang, stop_process
 from slime.utils.http_utils import find_free_port
 from slime.utils.process import ManagedProcess
 
-pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cluster")]
+pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 
 N_SESSIONS = int(os.environ.get("SLIME_REDIS_STRESS_SESSIONS", "20"))
 N_TURNS = 10

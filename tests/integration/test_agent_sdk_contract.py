@@ -21,7 +21,7 @@ from slime.agent.trajectory import segment_to_json
 from slime.utils.async_utils import run
 from slime.utils.http_utils import find_free_port
 
-pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("cluster")]
+pytestmark = pytest.mark.cpu
 
 TOOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 SCRIPT = {

@@ -22,7 +22,7 @@ import torch
 
 from tests.integration.test_resume import assets, run_slime  # noqa: F401,F811 - `assets` is a module fixture
 
-pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cluster")]
+pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 
 BATCH, N = 4, 2
 

@@ -26,7 +26,7 @@ from slime.arguments import default_args
 from slime.utils.async_utils import run
 from slime.utils.types import Sample, Status
 
-pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("cluster")]
+pytestmark = pytest.mark.cpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_agent_cli_harnesses import require_cli  # noqa: E402

@@ -22,7 +22,7 @@ from examples.coding_agent.scripted_policy import build_script, expected_reward
 from slime.agent.local_sandbox import UID_BASE, UID_SLOTS
 from slime.utils.types import Sample, Status
 
-pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cluster")]
+pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ROOT / "examples" / "coding_agent" / "tasks.jsonl"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cluster")]
+pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 NUM_ROLLOUT = 3

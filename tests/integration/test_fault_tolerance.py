@@ -29,7 +29,7 @@ from slime.ray.rollout_servers import RolloutServers
 from slime.rollout.generate import GenerateState, base_sampling_params, generate
 from slime.utils.types import Sample, Status
 
-pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cluster")]
+pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 
 REPS = int(os.environ.get("FT_REPS", "5"))
 N = 64

@@ -30,7 +30,7 @@ import pytest
 
 from slime.utils.http_utils import find_free_port
 
-pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cluster")]
+pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAD, NODE2 = "127.0.0.3", "127.0.0.2"

@@ -24,7 +24,7 @@ from sim.fake_sglang.testing import launch_fake_sglang
 from slime.backends.sglang.router import RouterProcess
 from slime.utils.http_utils import find_free_port
 
-pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("cluster")]
+pytestmark = pytest.mark.cpu
 
 N_REQUESTS = 12
 FAST_FAIL = ("--disaggregation-timeout-s", "3")  # a missing prefill fails after 3 s, not 30

@@ -15,7 +15,7 @@ import pytest
 from sim.fake_sglang.testing import launch_fake_sglang
 from sim.process_tree import ProcessTreeWatcher
 
-pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cluster")]
+pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -18,7 +18,7 @@ import torch
 
 from slime.utils.http_utils import find_free_port
 
-pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cluster")]
+pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 
 SHIM = "sim.fake_megatron.cpu_shim.apply"
 SEQS = [[5, 9, 33, 100, 7, 8, 200, 3], [11, 12, 13], [300, 2, 2, 2, 41, 17]]

@@ -20,7 +20,7 @@ import pytest
 
 from sim.process_tree import ProcessTreeWatcher
 
-pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cluster")]
+pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 
 CPU_SHIM = "sim.fake_megatron.cpu_shim.apply"
 ROOT = Path(__file__).resolve().parents[2]

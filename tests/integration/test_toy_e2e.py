@@ -24,7 +24,7 @@ import pytest
 from sim.process_tree import ProcessTreeWatcher
 from slime.utils.tracking import STEP_PHASES
 
-pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cluster")]
+pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 NUM_ROLLOUT = 3

@@ -25,7 +25,7 @@ import torch
 
 from slime.utils.http_utils import find_free_port
 
-pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("cluster")]
+pytestmark = pytest.mark.cpu
 
 SHIM = "sim.fake_megatron.cpu_shim.apply"
 BUCKET = 64 * 1024  # several buckets per sync

@@ -27,7 +27,7 @@ from slime.agent.api import MAX_JSON_DEPTH
 from slime.agent.gateway import Gateway
 from slime.utils.async_utils import run
 
-pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("cluster")]
+pytestmark = pytest.mark.cpu
 
 HOLE = "\x00hole\x00"  # stands where the broken fragment goes, replaced in the serialised body
 BASES: dict[str, dict[str, Any]] = {

@@ -15,7 +15,7 @@ from sim.fake_sglang.scripted_engine import scripted_logprob
 from sim.fake_sglang.testing import launch_fake_sglang
 from sim.tiny_checkpoint import build_tiny_checkpoint
 
-pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("cluster")]
+pytestmark = pytest.mark.cpu
 
 TOOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 

@@ -16,7 +16,7 @@ from sim.fake_sglang.testing import launch_fake_sglang
 from sim.fake_sglang.weights import build_update_body
 from sim.tiny_checkpoint import build_tiny_checkpoint
 
-pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("cluster")]
+pytestmark = pytest.mark.cpu
 
 
 @pytest.fixture(scope="module")

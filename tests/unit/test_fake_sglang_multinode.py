@@ -17,7 +17,7 @@ from sim.fake_sglang.testing import fake_env
 from slime.utils.http_utils import find_free_port
 from slime.utils.process import die_with_parent, signal_group, stop_popen
 
-pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("cluster")]
+pytestmark = pytest.mark.cpu
 
 NODE0, NODE1 = "127.0.0.1", "127.0.0.2"  # two loopback addresses stand for two machines
 

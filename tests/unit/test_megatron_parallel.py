@@ -16,7 +16,7 @@ import torch
 
 from slime.utils.http_utils import find_free_port
 
-pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cluster")]
+pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 
 SHIM = "sim.fake_megatron.cpu_shim.apply"
 # name -> (transformers config class, kwargs). Together they cover: GQA (2 and 1 KV heads, the latter below

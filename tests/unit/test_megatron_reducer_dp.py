@@ -28,7 +28,7 @@ import torch
 
 from slime.utils.http_utils import find_free_port
 
-pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cluster")]
+pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 
 SHIM = "sim.fake_megatron.cpu_shim.apply"
 TEMPERATURE = 0.8

@@ -63,7 +63,6 @@ def test_registry_json_shapes():
     assert all(r.select().url == URLS[0] for _ in range(10))  # prefill workers do not serve /generate
 
 
-@pytest.mark.xdist_group("cluster")
 def test_http_surface_in_front_of_fake_servers(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("output_len: {dist: fixed, value: 3}\n")

@@ -20,7 +20,7 @@ from slime.utils.http_utils import find_free_port
 from slime.utils.process import ManagedProcess
 from slime.utils.types import Sample, Status
 
-pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("cluster")]
+pytestmark = pytest.mark.cpu
 
 SLOW_LEN = 400
 

@@ -22,7 +22,7 @@ from slime.arguments import default_args
 from slime.backends.sglang.router import RouterProcess, build_router_argv
 from slime.utils.http_utils import find_free_port
 
-pytestmark = [pytest.mark.cpu, pytest.mark.xdist_group("cluster")]
+pytestmark = pytest.mark.cpu
 
 ROUTING_KEY = "X-SMG-Routing-Key"
 
