@@ -236,6 +236,15 @@ ENDPOINTS: dict[str, Endpoint] = {
         {"action": bad_req_str, "allow_quant_error": bad_bool, "skip_tensor_list": bad_str_list},
         body_required=False,
     ),
+    "/v1/chat/completions": Endpoint(
+        "POST",
+        {"messages": [{"role": "user", "content": "hi"}]},
+        {
+            "messages": scalars | st.just([]) | st.lists(scalars, min_size=1, max_size=2),
+            "stream": st.just(True),
+            "n": st.integers(2, 8),
+        },
+    ),
     "/_fault": Endpoint(
         "POST",
         {},
