@@ -7,13 +7,12 @@ import argparse
 
 from slime.utils.errors import SlimeArgError
 
-_PARALLEL_ISSUE = "the trainer runs tensor and data parallelism only for now"
+_PARALLEL_ISSUE = "the trainer runs tensor, context and data parallelism only for now"
 # Flags whose features are not built yet; setting one is refused before Ray starts (slime/arguments.py).
 UNSUPPORTED = {
     "pipeline_model_parallel_size": f"pipeline parallelism: {_PARALLEL_ISSUE}",
     "virtual_pipeline_model_parallel_size": f"virtual pipeline stages: {_PARALLEL_ISSUE}",
     "microbatch_group_size_per_vp_stage": f"virtual pipeline stages: {_PARALLEL_ISSUE}",
-    "context_parallel_size": f"context parallelism: {_PARALLEL_ISSUE}",
     "expert_model_parallel_size": f"expert parallelism (MoE): {_PARALLEL_ISSUE}",
     "expert_tensor_parallel_size": f"expert tensor parallelism (MoE): {_PARALLEL_ISSUE}",
     "sequence_parallel": f"sequence parallelism: {_PARALLEL_ISSUE}",
@@ -26,7 +25,12 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
     g.add_argument("--microbatch-group-size-per-vp-stage", type=int, default=None)
-    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument(
+        "--context-parallel-size",
+        type=int,
+        default=1,
+        help="split every packed micro-batch over this many ranks (zigzag chunks; attention exact across them)",
+    )
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None)
     g.add_argument("--sequence-parallel", action="store_true")
@@ -108,6 +112,16 @@ def validate_megatron_args(args: argparse.Namespace) -> None:
             f"--tensor-model-parallel-size {args.tensor_model_parallel_size} does not divide the "
             f"{args.world_size} train GPUs (--actor-num-nodes x --actor-num-gpus-per-node)"
         )
+    cp = args.context_parallel_size
+    if cp < 1:
+        raise SlimeArgError("--context-parallel-size must be >= 1")
+    if args.world_size % (args.tensor_model_parallel_size * cp) and not args.debug_rollout_only:
+        raise SlimeArgError(
+            f"--tensor-model-parallel-size {args.tensor_model_parallel_size} x --context-parallel-size {cp} does not "
+            f"divide the {args.world_size} train GPUs (--actor-num-nodes x --actor-num-gpus-per-node)"
+        )
+    if cp > 1 and args.advantage_estimator == "ppo":
+        raise SlimeArgError("--context-parallel-size > 1 with --advantage-estimator ppo: the critic is not context-parallel yet")
     if args.update_weights_interval < 1:
         raise SlimeArgError("--update-weights-interval must be >= 1")
     if args.update_weight_mode == "auto":

@@ -18,8 +18,9 @@ Megatron's own `cu_seqlens` in the `PackedSeqParams` is then one segment spannin
 `PackedBatch.cu_seqlens` keeps the row's true segment boundaries for readers.
 
 Padding (to a multiple of `pad_multiple`, e.g. tp size with sequence parallelism) is appended as one extra
-segment of `pad_token_id`: it attends only to itself and no sample attends to it. Context parallelism is
-not handled here (the SDPA core attention requires cp == 1).
+segment of `pad_token_id`: it attends only to itself and no sample attends to it. With context parallelism
+the row is padded to a multiple of 2·cp and each CP rank runs its zigzag chunks of it (`cp_rows`, set by
+context_parallel.py); `model_inputs()` gives the model those rows.
 
     packed = pack_samples(tokens, pad_multiple=tp, prompt_lengths=[t - r for t, r in zip(totals, responses)])
     logits = model(packed.tokens, packed.position_ids, None, packed_seq_params=packed.packed_seq_params)
@@ -53,6 +54,14 @@ class PackedBatch:
     # per sample (prefix_start, prefix_len, own_start, own_len): its tokens are the rows of the shared prompt
     # followed by its own rows; prefix_len is 0 for a sample packed whole
     layout: list[tuple[int, int, int, int]]
+    # context parallelism: the row indices this rank runs, in local order (context_parallel.shard_row_for_cp)
+    cp_rows: torch.Tensor | None = None
+
+    def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, position_ids) [1, T_local] the model runs on: the whole row, or this CP rank's rows."""
+        if self.cp_rows is None:
+            return self.tokens, self.position_ids
+        return self.tokens[:, self.cp_rows], self.position_ids[:, self.cp_rows]
 
     @property
     def total_len(self) -> int:

@@ -19,11 +19,18 @@ from typing import Any
 import torch
 
 from slime.algorithms.advantages import compute_advantages_and_returns, distributed_masked_whiten
-from slime.algorithms.logprobs import packed_response_logprobs_and_entropy
+from slime.algorithms.logprobs import packed_response_logprobs_and_entropy, score_rows
 from slime.algorithms.loss import loss_function
 from slime.algorithms.ppo import ppo_advantages
 from slime.algorithms.reducers import reduce_train_metrics, scale_for_megatron
 from slime.backends.megatron.checkpoint import allocate_optimizer_state
+from slime.backends.megatron.context_parallel import (
+    gather_responses,
+    local_part,
+    local_response_rows,
+    shard_row_for_cp,
+    whole_sample_state,
+)
 from slime.backends.megatron.hf_config import read_hf_config
 from slime.backends.megatron.hf_weights import export_hf_weights, load_hf_weights, unwrap_model
 from slime.backends.megatron.initialize import init_distributed, init_megatron, run_custom_megatron_init
@@ -133,8 +140,14 @@ class MegatronTrainer:
             self.ref_params = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
             if args.ref_load:
                 load_hf_weights(model, args.hf_checkpoint, self.spec, self.ps)
-        # --data-pad-size-multiplier (x TP with sequence parallel: megatron splits the row over TP ranks)
-        self.pad_multiple = args.data_pad_size_multiplier * (self.ps.size("tp") if args.sequence_parallel else 1)
+        # --data-pad-size-multiplier (x TP with sequence parallel: megatron splits the row over TP ranks; x 2·cp
+        # with context parallelism: each CP rank runs two equal chunks of the row, context_parallel.py)
+        cp = self.ps.size("cp")
+        self.pad_multiple = (
+            args.data_pad_size_multiplier
+            * (self.ps.size("tp") if args.sequence_parallel else 1)
+            * (2 * cp if cp > 1 else 1)
+        )
         self._hooks = {
             name: load_function(path)
             for name, path in (
@@ -158,7 +171,8 @@ class MegatronTrainer:
     # ---- forward helpers ------------------------------------------------------------------------------------
     def _forward_logits(self, mb: dict[str, Any]) -> tuple[torch.Tensor, PackedBatch]:
         packed = self._pack(mb)
-        logits = self.model(packed.tokens, packed.position_ids, None, packed_seq_params=packed.packed_seq_params)
+        tokens, positions = packed.model_inputs()
+        logits = self.model(tokens, positions, None, packed_seq_params=packed.packed_seq_params)
         return mask_padded_vocab(logits[0], self.spec.vocab_size, self.ps.rank("tp")), packed
 
     def _pack(self, mb: dict[str, Any]) -> PackedBatch:
@@ -170,10 +184,30 @@ class MegatronTrainer:
         packed = pack_samples(tokens, pad_multiple=self.pad_multiple, device=_device(), prompt_lengths=prompts)
         if mb["tokens"] and "total_lengths" in mb and packed.lengths != list(mb["total_lengths"]):
             raise ValueError(f"micro-batch token counts {packed.lengths} differ from total_lengths")
+        if self.ps.size("cp") > 1:
+            shard_row_for_cp(packed, self.ps)
         return packed
 
-    def _logprobs(self, logits: torch.Tensor, mb: dict[str, Any], packed: PackedBatch, with_entropy: bool):
-        return packed_response_logprobs_and_entropy(
+    def _logprobs(
+        self, logits: torch.Tensor, mb: dict[str, Any], packed: PackedBatch, with_entropy: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]:
+        """(log-probs, entropies, picked) of the response tokens this rank scores. `picked` is None when they
+        are whole responses; with CP, each sample's response indices scored here (context_parallel.py)."""
+        if packed.cp_rows is not None:
+            pred, target_rows, picked = local_response_rows(packed, mb["response_lengths"])
+            lp, ent = score_rows(
+                logits,
+                pred,
+                packed.tokens.reshape(-1).index_select(0, target_rows),
+                [int(js.numel()) for js in picked],
+                self.ps,
+                temperature=self.args.rollout_temperature,
+                vocab_start=self.ps.rank("tp") * logits.size(-1),
+                with_entropy=with_entropy,
+                chunk_size=self.args.log_probs_chunk_size,
+            )
+            return lp, ent, picked
+        lp, ent = packed_response_logprobs_and_entropy(
             logits,
             packed.tokens,
             # the rows of each response and of the token before it: all the reader scores
@@ -185,6 +219,7 @@ class MegatronTrainer:
             with_entropy=with_entropy,
             chunk_size=self.args.log_probs_chunk_size,
         )
+        return lp, ent, None
 
     def _microbatches(self, data: dict[str, Any]) -> list[dict[str, Any]]:
         """Per-sample fields of each micro-batch, in schedule order (steps concatenated)."""
@@ -234,7 +269,9 @@ class MegatronTrainer:
             if not batch["tokens"]:
                 continue
             logits, packed = self._forward_logits(batch)
-            lp, _ = self._logprobs(logits.float(), batch, packed, with_entropy=False)
+            lp, _, picked = self._logprobs(logits.float(), batch, packed, with_entropy=False)
+            if picked is not None:  # CP: whole responses, in sample order, on every CP rank
+                lp = gather_responses(lp, picked, batch["response_lengths"], self.ps)
             for (j, p), x in zip(targets, lp, strict=True):
                 mbs[j][key][p] = x  # computed under no_grad: nothing to detach
         self.model.train()
@@ -369,7 +406,8 @@ class MegatronTrainer:
         if not mb["tokens"]:
             mb["advantages"] = mb["returns"] = []
         elif not self.args.disable_compute_advantages_and_returns and not ppo_builtin:
-            compute_advantages_and_returns(self.args, batch, self.ps)
+            # whole samples here, also under CP (the CP ranks of a DP rank hold the same ones)
+            compute_advantages_and_returns(self.args, batch, whole_sample_state(self.ps))
             mb["advantages"], mb["returns"] = batch["advantages"], batch["returns"]
 
     def _rank_advantages(self, mbs: list[dict[str, Any]], data: dict[str, Any], kl_coef: float | None = None) -> None:
@@ -508,8 +546,13 @@ class MegatronTrainer:
                 "no advantages: with --disable-compute-advantages-and-returns a --rollout-data-postprocess-path "
                 "hook must set rollout_data['advantages']"
             )
-        lp, ent = self._logprobs(logits.float(), mb, packed, with_entropy=True)
+        lp, ent, picked = self._logprobs(logits.float(), mb, packed, with_entropy=True)
+        if picked is not None:  # CP: the loss sees this rank's tokens of every per-token input
+            mb = {**mb, **{k: local_part(mb[k], picked) for k in self.RESPONSE_KEYS if k in mb}}
         return loss_function(self.args, mb, lp, ent, self.ps, logits=logits)
+
+    # per-response-token inputs of the loss, whole per sample until the loss takes this rank's part (CP)
+    RESPONSE_KEYS = ("loss_masks", "advantages", "returns", "log_probs", "ref_log_probs", "rollout_log_probs", "values")
 
     # ---- weights --------------------------------------------------------------------------------------------
     def is_weight_sender(self) -> bool:
