@@ -121,7 +121,9 @@ def validate_megatron_args(args: argparse.Namespace) -> None:
             f"divide the {args.world_size} train GPUs (--actor-num-nodes x --actor-num-gpus-per-node)"
         )
     if cp > 1 and args.advantage_estimator == "ppo":
-        raise SlimeArgError("--context-parallel-size > 1 with --advantage-estimator ppo: the critic is not context-parallel yet")
+        raise SlimeArgError(
+            "--context-parallel-size > 1 with --advantage-estimator ppo: the critic is not context-parallel yet"
+        )
     if args.update_weights_interval < 1:
         raise SlimeArgError("--update-weights-interval must be >= 1")
     if args.update_weight_mode == "auto":

@@ -10,6 +10,7 @@ and advances the LR schedule by b.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from argparse import Namespace
 from collections.abc import Iterator
@@ -143,11 +144,10 @@ class MegatronTrainer:
         # --data-pad-size-multiplier (x TP with sequence parallel: megatron splits the row over TP ranks; x 2·cp
         # with context parallelism: each CP rank runs two equal chunks of the row, context_parallel.py)
         cp = self.ps.size("cp")
-        self.pad_multiple = (
-            args.data_pad_size_multiplier
-            * (self.ps.size("tp") if args.sequence_parallel else 1)
-            * (2 * cp if cp > 1 else 1)
-        )
+        sp = self.ps.size("tp") if args.sequence_parallel else 1
+        self.pad_multiple = args.data_pad_size_multiplier * sp
+        if cp > 1:
+            self.pad_multiple = math.lcm(args.data_pad_size_multiplier, 2 * cp * sp)
         self._hooks = {
             name: load_function(path)
             for name, path in (
@@ -552,7 +552,15 @@ class MegatronTrainer:
         return loss_function(self.args, mb, lp, ent, self.ps, logits=logits)
 
     # per-response-token inputs of the loss, whole per sample until the loss takes this rank's part (CP)
-    RESPONSE_KEYS = ("loss_masks", "advantages", "returns", "log_probs", "ref_log_probs", "rollout_log_probs", "values")
+    RESPONSE_KEYS = (
+        "loss_masks",
+        "advantages",
+        "returns",
+        "log_probs",
+        "ref_log_probs",
+        "rollout_log_probs",
+        "values",
+    )
 
     # ---- weights --------------------------------------------------------------------------------------------
     def is_weight_sender(self) -> bool:
