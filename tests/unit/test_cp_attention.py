@@ -43,7 +43,6 @@ class _CPOnly:
 
 
 def _random_row(rng: random.Random, cp: int):
-    from slime.backends.megatron.packing import pack_samples
 
     samples, prompts = [], []
     for _ in range(rng.randint(1, 5)):

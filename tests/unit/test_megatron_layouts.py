@@ -11,7 +11,6 @@ control runs CP=2 with one rank's segment boundaries shifted and must differ.
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
