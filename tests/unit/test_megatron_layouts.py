@@ -1,6 +1,7 @@
 """Same numbers in every parallel layout, through real megatron-core on gloo: `MegatronTrainer.train` on one
 batch gives the loss, every reduced metric and every parameter's gradient (DDP-reduced, gathered over TP into
-HF names) of the single-process run, for CP=2, CP=4 and DP=2 x CP=2.
+HF names, each pipeline stage's own layers) of the single-process run, for CP=2, CP=4, DP=2 x CP=2, PP=2,
+TP=2 x PP=2 and PP=2 x CP=2.
 
 The batch has uneven groups (fan-out: 1-3 segments per trajectory), samples of one prompt that share its rows
 (`--share-prompt-prefix`), partly masked responses, token-packed micro-batches and a full plus a partial
@@ -24,13 +25,16 @@ pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cluste
 SHIM = "sim.fake_megatron.cpu_shim.apply"
 RTOL = 1e-5
 WORLD = 4
-# name -> (processes, tp, cp)
+# name -> (processes, tp, cp, pp)
 # what the schedule did rather than what the loss is: CP packs micro-batches of up to cp x --max-tokens-per-gpu
 SCHEDULE_METRICS = ("train/tokens_per_s", "train/packed_tokens_ratio", "train/samples")  # samples: this rank's
-LAYOUTS = {"single": (1, 1, 1), "cp2": (2, 1, 2), "cp4": (4, 1, 4), "dp2cp2": (4, 1, 2), "cp2_shifted": (2, 1, 2)}
+LAYOUTS = {
+    "single": (1, 1, 1, 1), "cp2": (2, 1, 2, 1), "cp4": (4, 1, 4, 1), "dp2cp2": (4, 1, 2, 1), "pp2": (2, 1, 1, 2),
+    "tp2pp2": (4, 2, 1, 2), "pp2cp2": (4, 1, 2, 2), "cp2_shifted": (2, 1, 2, 1),
+}  # fmt: skip
 
 
-def _args(ckpt: str, world: int, tp: int, cp: int):
+def _args(ckpt: str, world: int, tp: int, cp: int, pp: int):
     from slime.arguments import parse_args
 
     return parse_args([
@@ -40,6 +44,7 @@ def _args(ckpt: str, world: int, tp: int, cp: int):
         "--lr", "0", "--weight-decay", "0", "--clip-grad", "1e9", "--entropy-coef", "0.01",
         "--rollout-temperature", "0.8", "--share-prompt-prefix", "--eps-clip-c", "3",
         "--tensor-model-parallel-size", str(tp), "--context-parallel-size", str(cp),
+        "--pipeline-model-parallel-size", str(pp),
         "--custom-megatron-init-path", SHIM,
     ])  # fmt: skip
 
@@ -107,10 +112,10 @@ def _run(rank: int, name: str, port: int, ckpt: str, out_dir: str) -> None:
     from slime.ray.train_data import build_rank_data
     from slime.scheduling.carry import CarryBuffer
 
-    world, tp, cp = LAYOUTS[name]
+    world, tp, cp, pp = LAYOUTS[name]
     if rank >= world:
         return
-    args = _args(ckpt, world, tp, cp)
+    args = _args(ckpt, world, tp, cp, pp)
     trainer = MegatronTrainer(args, rank, world, "127.0.0.1", port)
     ps = trainer.ps
     if name.endswith("_shifted") and ps.rank("cp") == 1:
@@ -127,10 +132,11 @@ def _run(rank: int, name: str, port: int, ckpt: str, out_dir: str) -> None:
     trainer.optimizer.step = step_and_keep_grads
     metrics = trainer.train(0, data[ps.rank("dp")])
     grads = [{n: g.clone() for n, g in iter_hf_tensors(s, trainer.spec, ps, layer_offset(module))} for s in snapshots]
-    if rank == 0:
-        layout = {d: ps.size(d) for d in ("dp", "tp", "cp")}
-        n_mb = [len(d["micro_batch_indices"]) for d in data]
-        torch.save({"metrics": metrics, "grads": grads, "layout": layout, "n_mb": n_mb}, f"{out_dir}/{name}.pt")
+    # one file per pipeline stage (each holds its own layers' gradients), from its first rank
+    if ps.rank("tp") == ps.rank("dp") == ps.rank("cp") == 0:
+        layout = {d: ps.size(d) for d in ("dp", "tp", "cp", "pp")}
+        path = f"{out_dir}/{name}.pp{ps.rank('pp')}.pt"
+        torch.save({"metrics": metrics, "grads": grads, "layout": layout}, path)
     destroy_megatron()
 
 
@@ -149,7 +155,14 @@ def runs(tmp_path_factory):
     _build_checkpoint(Path(ckpt))
     ports = {name: find_free_port() for name in LAYOUTS}
     mp.spawn(_worker, args=(ports, ckpt, str(root)), nprocs=WORLD, daemon=True)
-    return {name: torch.load(root / f"{name}.pt") for name in LAYOUTS}
+    runs = {}
+    for name, (*_, pp) in LAYOUTS.items():
+        stages = [torch.load(root / f"{name}.pp{k}.pt") for k in range(pp)]
+        grads = [
+            {n: g for st in stages for n, g in st["grads"][step].items()} for step in range(len(stages[0]["grads"]))
+        ]
+        runs[name] = {**stages[-1], "grads": grads, "stage_metrics": [st["metrics"] for st in stages]}
+    return runs
 
 
 def _rel(got: float, want: float) -> float:
@@ -164,13 +177,13 @@ def _grad_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
 
 
 def test_layouts_are_what_they_claim(runs):
-    for name, (world, tp, cp) in LAYOUTS.items():
-        assert runs[name]["layout"] == {"dp": world // (tp * cp), "tp": tp, "cp": cp}, name
+    for name, (world, tp, cp, pp) in LAYOUTS.items():
+        assert runs[name]["layout"] == {"dp": world // (tp * cp * pp), "tp": tp, "cp": cp, "pp": pp}, name
     assert len(runs["single"]["grads"]) == 2  # a full and a partial step
     assert runs["single"]["metrics"]["train/packed_tokens_ratio"] < 1.0  # prompts really shared rows
 
 
-@pytest.mark.parametrize("name", ["cp2", "cp4", "dp2cp2"])
+@pytest.mark.parametrize("name", ["cp2", "cp4", "dp2cp2", "pp2", "tp2pp2", "pp2cp2"])
 def test_loss_metrics_and_gradients_equal_single_process(runs, name):
     want, got = runs["single"], runs[name]
     reduced = [k for k in want["metrics"] if k.startswith("train/") and k not in SCHEDULE_METRICS]
@@ -182,6 +195,8 @@ def test_loss_metrics_and_gradients_equal_single_process(runs, name):
         assert _rel(got["metrics"][k], want["metrics"][k]) < RTOL, (name, k, got["metrics"][k], want["metrics"][k])
     for step, g in enumerate(want["grads"]):
         assert _grad_error(got["grads"][step], g) < RTOL, (name, step)
+    for stage in got["stage_metrics"]:  # every pipeline stage reports the last stage's numbers
+        assert stage["train/loss"] == got["metrics"]["train/loss"]
 
 
 def test_negative_control_shifted_boundaries_on_one_rank_differ(runs):

@@ -7,10 +7,9 @@ import argparse
 
 from slime.utils.errors import SlimeArgError
 
-_PARALLEL_ISSUE = "the trainer runs tensor, context and data parallelism only for now"
+_PARALLEL_ISSUE = "the trainer runs tensor, pipeline (without virtual stages), context and data parallelism for now"
 # Flags whose features are not built yet; setting one is refused before Ray starts (slime/arguments.py).
 UNSUPPORTED = {
-    "pipeline_model_parallel_size": f"pipeline parallelism: {_PARALLEL_ISSUE}",
     "virtual_pipeline_model_parallel_size": f"virtual pipeline stages: {_PARALLEL_ISSUE}",
     "microbatch_group_size_per_vp_stage": f"virtual pipeline stages: {_PARALLEL_ISSUE}",
     "expert_model_parallel_size": f"expert parallelism (MoE): {_PARALLEL_ISSUE}",
@@ -113,13 +112,18 @@ def validate_megatron_args(args: argparse.Namespace) -> None:
             f"--tensor-model-parallel-size {args.tensor_model_parallel_size} does not divide the "
             f"{args.world_size} train GPUs (--actor-num-nodes x --actor-num-gpus-per-node)"
         )
-    cp = args.context_parallel_size
-    if cp < 1:
-        raise SlimeArgError("--context-parallel-size must be >= 1")
-    if args.world_size % (args.tensor_model_parallel_size * cp) and not args.debug_rollout_only:
+    cp, pp = args.context_parallel_size, args.pipeline_model_parallel_size
+    if cp < 1 or pp < 1:
+        raise SlimeArgError("--context-parallel-size and --pipeline-model-parallel-size must be >= 1")
+    if args.world_size % (args.tensor_model_parallel_size * cp * pp) and not args.debug_rollout_only:
         raise SlimeArgError(
-            f"--tensor-model-parallel-size {args.tensor_model_parallel_size} x --context-parallel-size {cp} does not "
-            f"divide the {args.world_size} train GPUs (--actor-num-nodes x --actor-num-gpus-per-node)"
+            f"--tensor-model-parallel-size {args.tensor_model_parallel_size} x --context-parallel-size {cp} x "
+            f"--pipeline-model-parallel-size {pp} does not divide the {args.world_size} train GPUs "
+            "(--actor-num-nodes x --actor-num-gpus-per-node)"
+        )
+    if pp > 1 and args.advantage_estimator == "ppo":
+        raise SlimeArgError(
+            "--pipeline-model-parallel-size > 1 with --advantage-estimator ppo: the critic is not pipelined yet"
         )
     if cp > 1 and args.advantage_estimator == "ppo":
         raise SlimeArgError(

@@ -265,16 +265,71 @@ class MegatronTrainer:
         self.model.eval()
         for mb in mbs:
             mb[key] = [None] * len(mb["tokens"])
-        for batch, targets in self._logprob_batches(mbs):
-            if not batch["tokens"]:
-                continue
+        batches = [(b, t) for b, t in self._logprob_batches(mbs) if b["tokens"]]
+        if self.ps.size("pp") > 1:
+            self._pipelined_logprobs(batches, mbs, key)
+        for batch, targets in batches if self.ps.size("pp") == 1 else []:
             logits, packed = self._forward_logits(batch)
-            lp, _, picked = self._logprobs(logits.float(), batch, packed, with_entropy=False)
-            if picked is not None:  # CP: whole responses, in sample order, on every CP rank
-                lp = gather_responses(lp, picked, batch["response_lengths"], self.ps)
-            for (j, p), x in zip(targets, lp, strict=True):
+            for (j, p), x in zip(targets, self._batch_logprobs(logits, batch, packed), strict=True):
                 mbs[j][key][p] = x  # computed under no_grad: nothing to detach
         self.model.train()
+
+    def _batch_logprobs(self, logits: torch.Tensor, batch: dict[str, Any], packed: PackedBatch) -> list[torch.Tensor]:
+        """Whole per-sample response log-probs of one batch's logits (under CP gathered back in sample order)."""
+        lp, _, picked = self._logprobs(logits.float(), batch, packed, with_entropy=False)
+        if picked is not None:  # CP: whole responses, in sample order, on every CP rank
+            lp = gather_responses(lp, picked, batch["response_lengths"], self.ps)
+        return lp
+
+    def _pipelined_logprobs(self, batches: list[tuple[dict[str, Any], list[tuple[int, int]]]], mbs, key: str) -> None:
+        """PP > 1: the log-prob pass through megatron's forward-only pipeline schedule. The last stage scores the
+        batches; their log-probs are then broadcast to the other stages (which compute advantages too)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if not batches:
+            return
+        last = self.is_last_stage()
+        scored: list[list[torch.Tensor]] = []
+
+        def forward_step(it: Iterator[dict[str, Any]], model: Any):
+            batch = next(it)
+            out, packed = self._stage_forward(batch)
+
+            def loss_func(output: torch.Tensor):  # runs on the last stage only
+                scored.append(self._batch_logprobs(output, batch, packed))
+                return output.sum() * 0.0, torch.tensor(1, dtype=torch.int), {}
+
+            return out, loss_func
+
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter([b for b, _ in batches]),
+            model=[self.model],
+            num_microbatches=len(batches),
+            seq_length=max(sum(b["total_lengths"]) for b, _ in batches),
+            micro_batch_size=1,
+            forward_only=True,
+        )
+        sizes = [sum(b["response_lengths"]) for b, _ in batches]
+        flat = torch.zeros(sum(sizes), dtype=torch.float32, device=_device())
+        if last:
+            flat.copy_(torch.cat([torch.cat(lp) if lp else flat.new_zeros(0) for lp in scored]))
+        self.ps.broadcast(flat, src=self.ps.size("pp") - 1, dim="pp")
+        for (batch, targets), part in zip(batches, flat.split(sizes), strict=True):
+            for (j, p), x in zip(targets, part.split(list(batch["response_lengths"])), strict=True):
+                mbs[j][key][p] = x
+
+    def is_last_stage(self) -> bool:
+        return self.ps.rank("pp") == self.ps.size("pp") - 1
+
+    def _stage_forward(self, mb: dict[str, Any]) -> tuple[torch.Tensor, PackedBatch]:
+        """This pipeline stage's forward of one micro-batch: the training head's output (`_forward`) on the last
+        stage, the hidden states megatron's schedule sends on before it (its input came from the stage before)."""
+        if self.is_last_stage():
+            return self._forward(mb)
+        packed = self._pack(mb)
+        tokens, positions = packed.model_inputs()
+        return self.model(tokens, positions, None, packed_seq_params=packed.packed_seq_params), packed
 
     @torch.no_grad()
     def _swap_params(self, source: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -495,7 +550,7 @@ class MegatronTrainer:
         def forward_step(it: Iterator[dict[str, Any]], model: Any):
             nonlocal packed_rows
             mb = next(it)
-            logits, packed = self._forward(mb)
+            logits, packed = self._stage_forward(mb)
             packed_rows += packed.total_len - packed.pad if mb["tokens"] else 0
             return logits, partial(loss_func, mb, packed)
 
@@ -524,6 +579,13 @@ class MegatronTrainer:
         metrics = reduce_train_metrics(
             sums, self.ps, global_batch_size=global_batch_size, per_token=per_token, local_num_tokens=local_tokens
         )
+        if self.ps.size("pp") > 1:  # losses and metrics live on the last stage; every stage reports them
+            import torch.distributed as dist
+
+            box = [metrics]
+            last = dist.get_global_rank(self.ps.group("pp"), self.ps.size("pp") - 1)
+            dist.broadcast_object_list(box, src=last, group=self.ps.group("pp"))
+            metrics = box[0]
         pre = self.metric_prefix
         out = {f"{pre}{k}": v for k, v in metrics.items()}
         out[f"{pre}grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
