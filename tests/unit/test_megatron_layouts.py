@@ -1,7 +1,7 @@
 """Same numbers in every parallel layout, through real megatron-core on gloo: `MegatronTrainer.train` on one
 batch gives the loss, every reduced metric and every parameter's gradient (DDP-reduced, gathered over TP into
 HF names, each pipeline stage's own layers) of the single-process run, for CP=2, CP=4, DP=2 x CP=2, PP=2,
-TP=2 x PP=2 and PP=2 x CP=2.
+PP=2 with 2 virtual stages, TP=2 x PP=2 and PP=2 x CP=2.
 
 The batch has uneven groups (fan-out: 1-3 segments per trajectory), samples of one prompt that share its rows
 (`--share-prompt-prefix`), partly masked responses, token-packed micro-batches and a full plus a partial
@@ -25,19 +25,19 @@ pytestmark = [pytest.mark.cpu, pytest.mark.slow, pytest.mark.xdist_group("cluste
 SHIM = "sim.fake_megatron.cpu_shim.apply"
 RTOL = 1e-5
 WORLD = 4
-# name -> (processes, tp, cp, pp)
+# name -> (processes, tp, cp, pp); "vpp" in the name: 2 virtual stages per pipeline rank (4 layers, 1 per chunk)
 # what the schedule did rather than what the loss is: CP packs micro-batches of up to cp x --max-tokens-per-gpu
 SCHEDULE_METRICS = ("train/tokens_per_s", "train/packed_tokens_ratio", "train/samples")  # samples: this rank's
 LAYOUTS = {
     "single": (1, 1, 1, 1), "cp2": (2, 1, 2, 1), "cp4": (4, 1, 4, 1), "dp2cp2": (4, 1, 2, 1), "pp2": (2, 1, 1, 2),
-    "tp2pp2": (4, 2, 1, 2), "pp2cp2": (4, 1, 2, 2), "cp2_shifted": (2, 1, 2, 1),
+    "pp2vpp2": (2, 1, 1, 2), "tp2pp2": (4, 2, 1, 2), "pp2cp2": (4, 1, 2, 2), "cp2_shifted": (2, 1, 2, 1),
 }  # fmt: skip
 
 
-def _args(ckpt: str, world: int, tp: int, cp: int, pp: int):
+def _args(ckpt: str, world: int, tp: int, cp: int, pp: int, vpp: bool = False):
     from slime.arguments import parse_args
 
-    return parse_args([
+    return parse_args([*(["--virtual-pipeline-model-parallel-size", "2"] if vpp else []),
         "--hf-checkpoint", ckpt, "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "1",
         "--global-batch-size", "3", "--allow-partial-last-step", "--use-dynamic-batch-size",
         "--max-tokens-per-gpu", "40", "--rollout-num-gpus", "1", "--actor-num-gpus-per-node", str(world),
@@ -74,7 +74,7 @@ def _build_checkpoint(out: Path) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(
-        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
     )  # fmt: skip
     torch.manual_seed(0)
@@ -115,23 +115,34 @@ def _run(rank: int, name: str, port: int, ckpt: str, out_dir: str) -> None:
     world, tp, cp, pp = LAYOUTS[name]
     if rank >= world:
         return
-    args = _args(ckpt, world, tp, cp, pp)
+    args = _args(ckpt, world, tp, cp, pp, vpp="vpp" in name)
     trainer = MegatronTrainer(args, rank, world, "127.0.0.1", port)
     ps = trainer.ps
     if name.endswith("_shifted") and ps.rank("cp") == 1:
         _shift_boundaries(trainer)
-    parallel = {"dp_size": ps.size("dp"), "cp_size": ps.size("cp")}
+    parallel = {  # what the train actor reports to the scheduler (slime/ray/train_actor.py: parallel_config)
+        "dp_size": ps.size("dp"), "cp_size": ps.size("cp"), "pp_size": ps.size("pp"),
+        "vpp_size": args.virtual_pipeline_model_parallel_size or 1,
+        "microbatch_group_size_per_vp_stage": args.microbatch_group_size_per_vp_stage,
+    }  # fmt: skip
     data, _ = build_rank_data(args, 0, _samples(trainer.spec.vocab_size), CarryBuffer(), parallel)
-    module = unwrap_model(trainer.model)
+    chunks = [unwrap_model(c) for c in trainer.chunks]  # one, or one per virtual stage
     snapshots, step = [], trainer.optimizer.step
 
     def step_and_keep_grads():  # the DDP-reduced gradient of every optimizer step, before the update
-        snapshots.append([(n, p.main_grad.detach().clone()) for n, p in module.named_parameters()])
+        snapshots.append([[(n, p.main_grad.detach().clone()) for n, p in c.named_parameters()] for c in chunks])
         return step()
 
     trainer.optimizer.step = step_and_keep_grads
     metrics = trainer.train(0, data[ps.rank("dp")])
-    grads = [{n: g.clone() for n, g in iter_hf_tensors(s, trainer.spec, ps, layer_offset(module))} for s in snapshots]
+    grads = [
+        {
+            n: g.clone()
+            for c, named in zip(chunks, s, strict=True)
+            for n, g in iter_hf_tensors(named, trainer.spec, ps, layer_offset(c))
+        }
+        for s in snapshots
+    ]
     # one file per pipeline stage (each holds its own layers' gradients), from its first rank
     if ps.rank("tp") == ps.rank("dp") == ps.rank("cp") == 0:
         layout = {d: ps.size(d) for d in ("dp", "tp", "cp", "pp")}
@@ -183,7 +194,7 @@ def test_layouts_are_what_they_claim(runs):
     assert runs["single"]["metrics"]["train/packed_tokens_ratio"] < 1.0  # prompts really shared rows
 
 
-@pytest.mark.parametrize("name", ["cp2", "cp4", "dp2cp2", "pp2", "tp2pp2", "pp2cp2"])
+@pytest.mark.parametrize("name", ["cp2", "cp4", "dp2cp2", "pp2", "pp2vpp2", "tp2pp2", "pp2cp2"])
 def test_loss_metrics_and_gradients_equal_single_process(runs, name):
     want, got = runs["single"], runs[name]
     reduced = [k for k in want["metrics"] if k.startswith("train/") and k not in SCHEDULE_METRICS]

@@ -7,11 +7,9 @@ import argparse
 
 from slime.utils.errors import SlimeArgError
 
-_PARALLEL_ISSUE = "the trainer runs tensor, pipeline (without virtual stages), context and data parallelism for now"
+_PARALLEL_ISSUE = "the trainer runs tensor, pipeline, context and data parallelism for now"
 # Flags whose features are not built yet; setting one is refused before Ray starts (slime/arguments.py).
 UNSUPPORTED = {
-    "virtual_pipeline_model_parallel_size": f"virtual pipeline stages: {_PARALLEL_ISSUE}",
-    "microbatch_group_size_per_vp_stage": f"virtual pipeline stages: {_PARALLEL_ISSUE}",
     "expert_model_parallel_size": f"expert parallelism (MoE): {_PARALLEL_ISSUE}",
     "expert_tensor_parallel_size": f"expert tensor parallelism (MoE): {_PARALLEL_ISSUE}",
     "sequence_parallel": "sequence parallelism: megatron-core 0.16.1's local-spec norm (WrappedTorchNorm) refuses it; "
@@ -23,8 +21,18 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training (Megatron-style)")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
-    g.add_argument("--microbatch-group-size-per-vp-stage", type=int, default=None)
+    g.add_argument(
+        "--virtual-pipeline-model-parallel-size",
+        type=int,
+        default=None,
+        help="model chunks per pipeline rank (megatron's interleaved schedule); needs --pipeline-model-parallel-size > 1",
+    )
+    g.add_argument(
+        "--microbatch-group-size-per-vp-stage",
+        type=int,
+        default=None,
+        help="micro-batches a virtual stage runs back to back (default and minimum: the pipeline size)",
+    )
     g.add_argument(
         "--context-parallel-size",
         type=int,
@@ -120,6 +128,19 @@ def validate_megatron_args(args: argparse.Namespace) -> None:
             f"--tensor-model-parallel-size {args.tensor_model_parallel_size} x --context-parallel-size {cp} x "
             f"--pipeline-model-parallel-size {pp} does not divide the {args.world_size} train GPUs "
             "(--actor-num-nodes x --actor-num-gpus-per-node)"
+        )
+    vpp, group = args.virtual_pipeline_model_parallel_size, args.microbatch_group_size_per_vp_stage
+    if vpp is not None and (vpp < 1 or (vpp > 1 and pp == 1)):
+        raise SlimeArgError("--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size > 1")
+    if group is not None and (not vpp or vpp == 1 or group < pp):
+        raise SlimeArgError(
+            "--microbatch-group-size-per-vp-stage needs --virtual-pipeline-model-parallel-size > 1 and must be >= "
+            "--pipeline-model-parallel-size"
+        )
+    if vpp and vpp > 1 and args.offload_train:
+        raise SlimeArgError(
+            "--virtual-pipeline-model-parallel-size > 1 with --offload-train (the --colocate default): offload keeps "
+            "one model chunk per rank for now; pass --no-offload-train or drop the virtual stages"
         )
     if pp > 1 and args.advantage_estimator == "ppo":
         raise SlimeArgError(

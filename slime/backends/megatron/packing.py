@@ -101,11 +101,14 @@ def pack_samples(
     pad_token_id: int = 0,
     device: torch.device | str | None = None,
     prompt_lengths: Sequence[int] | None = None,
+    pad_to: int | None = None,
 ) -> PackedBatch:
     """One THD row of the samples; with `prompt_lengths`, samples with an identical prompt share its rows.
 
     The row is assembled in Python lists and turned into tensors once: a micro-batch holds hundreds of
-    samples, and per-sample tensor ops would cost more than the packing itself.
+    samples, and per-sample tensor ops would cost more than the packing itself. `pad_to` pads the row to exactly
+    that many tokens (a multiple of `pad_multiple`): megatron's interleaved pipeline schedule needs one row
+    length for every micro-batch of a step.
     """
     if not samples:
         raise ValueError("cannot pack an empty micro-batch")
@@ -134,6 +137,10 @@ def pack_samples(
             layout[i] = (ps, p, emit(seqs[i][p:], p, (ps, p)), len(seqs[i]) - p)
     total = len(tokens)
     padded = -(-max(total, 1) // pad_multiple) * pad_multiple
+    if pad_to is not None:
+        if pad_to < padded or pad_to % pad_multiple:
+            raise ValueError(f"pad_to {pad_to} is below the row's {padded} tokens or not a multiple of {pad_multiple}")
+        padded = pad_to
     pad = padded - total
     emit([pad_token_id] * pad, 0, (0, 0))
     bounds = [start for start, _, _, _ in segments] + [padded]

@@ -83,17 +83,19 @@ class MegatronTrainer:
         if distributed_optimizer is None:
             distributed_optimizer = torch.cuda.is_available()
         with region("model"):  # the model and its DDP param/grad buffers
-            model = self._build_model()
-            config = model.config
-            self.model = DistributedDataParallel(
-                config=config,
-                ddp_config=DistributedDataParallelConfig(
-                    grad_reduce_in_fp32=True,
-                    overlap_grad_reduce=False,
-                    use_distributed_optimizer=distributed_optimizer,
-                ),
-                module=model,
+            models = self._build_models()
+            config = models[0].config
+            ddp_config = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
             )
+            # one DDP per model chunk (virtual pipeline stages: several), bucketed as megatron's get_model does
+            self.chunks = [
+                DistributedDataParallel(config=config, ddp_config=ddp_config, module=m, disable_bucketing=i > 0)
+                for i, m in enumerate(models)
+            ]
+            # the rank's model when it is one chunk (everything but virtual pipeline stages); None otherwise, so
+            # that code written for one chunk fails loudly instead of seeing part of the model
+            self.model = self.chunks[0] if len(self.chunks) == 1 else None
         with region("optimizer"):  # fp32 master params and Adam's moments
             self.optimizer = get_megatron_optimizer(
                 OptimizerConfig(
@@ -109,13 +111,17 @@ class MegatronTrainer:
                     params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
                     use_distributed_optimizer=distributed_optimizer,
                 ),
-                [self.model],
+                self.chunks,
             )
             if offloader is not None and offloader.enabled:
                 allocate_optimizer_state(self.optimizer)  # Adam's moments now (inside the region), not at step 1
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
-        config.variable_seq_lengths = True
+        # packed rows differ in length: megatron's p2p exchanges each micro-batch's shape first. Its interleaved
+        # (virtual pipeline) schedule does not pair those exchanges up, so there every row of a schedule run is
+        # padded to one length instead (`_run_schedule`).
+        config.variable_seq_lengths = len(self.chunks) == 1
+        self._pad_to: int | None = None
         # Megatron's scheduler counts samples; slime's "sample" is a group, so steps are multiplied by B.
         gbs = args.global_batch_size
         train_iters = max(1, args.num_rollout * args.rollout_batch_size * args.n_samples_per_prompt // gbs)
@@ -137,10 +143,10 @@ class MegatronTrainer:
         if args.use_kl_loss or args.kl_coef:
             # The reference policy: the initial weights (or --ref-load, an HF dir), kept on the host.
             if args.ref_load:
-                load_hf_weights(model, args.ref_load, self.spec, self.ps)
-            self.ref_params = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
+                load_hf_weights(models, args.ref_load, self.spec, self.ps)
+            self.ref_params = {n: p.detach().to("cpu", copy=True) for n, p in self.named_parameters()}
             if args.ref_load:
-                load_hf_weights(model, args.hf_checkpoint, self.spec, self.ps)
+                load_hf_weights(models, args.hf_checkpoint, self.spec, self.ps)
         # --data-pad-size-multiplier (x TP with sequence parallel: megatron splits the row over TP ranks; x 2·cp
         # with context parallelism: each CP rank runs two equal chunks of the row, context_parallel.py)
         cp = self.ps.size("cp")
@@ -160,6 +166,27 @@ class MegatronTrainer:
         self.weight_version = 0
         self.train_step_id = 0
 
+    def _build_models(self) -> list[Any]:
+        """This rank's model chunks: one, or one per virtual pipeline stage (each its own layers)."""
+        vpp = self.args.virtual_pipeline_model_parallel_size or 1
+        if vpp == 1:
+            return [self._build_model()]
+        models = [build_gpt_model(self.args, self.spec, vp_stage=i) for i in range(vpp)]
+        if torch.cuda.is_available():
+            models = [m.cuda() for m in models]
+        load_hf_weights(models, self.args.hf_checkpoint, self.spec, self.ps)
+        return models
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter of the rank's chunks; names carry the chunk index when there are several."""
+        for i, chunk in enumerate(self.chunks):
+            for n, p in unwrap_model(chunk).named_parameters():
+                yield (n if len(self.chunks) == 1 else f"chunk{i}.{n}"), p
+
+    def _set_mode(self, train: bool) -> None:
+        for chunk in self.chunks:
+            chunk.train(train)
+
     def _build_model(self) -> Any:
         """This rank's GPTModel with the HF checkpoint's weights (the critic replaces it: critic.py)."""
         model = build_gpt_model(self.args, self.spec)
@@ -169,10 +196,11 @@ class MegatronTrainer:
         return model
 
     # ---- forward helpers ------------------------------------------------------------------------------------
-    def _forward_logits(self, mb: dict[str, Any]) -> tuple[torch.Tensor, PackedBatch]:
+    def _forward_logits(self, mb: dict[str, Any], model: Any = None) -> tuple[torch.Tensor, PackedBatch]:
         packed = self._pack(mb)
         tokens, positions = packed.model_inputs()
-        logits = self.model(tokens, positions, None, packed_seq_params=packed.packed_seq_params)
+        model = model if model is not None else self.model
+        logits = model(tokens, positions, None, packed_seq_params=packed.packed_seq_params)
         return mask_padded_vocab(logits[0], self.spec.vocab_size, self.ps.rank("tp")), packed
 
     def _pack(self, mb: dict[str, Any]) -> PackedBatch:
@@ -181,7 +209,9 @@ class MegatronTrainer:
         prompts = None
         if self.args.share_prompt_prefix and mb["tokens"] and "response_lengths" in mb:
             prompts = [t - r for t, r in zip(mb["total_lengths"], mb["response_lengths"], strict=True)]
-        packed = pack_samples(tokens, pad_multiple=self.pad_multiple, device=_device(), prompt_lengths=prompts)
+        packed = pack_samples(
+            tokens, pad_multiple=self.pad_multiple, device=_device(), prompt_lengths=prompts, pad_to=self._pad_to
+        )
         if mb["tokens"] and "total_lengths" in mb and packed.lengths != list(mb["total_lengths"]):
             raise ValueError(f"micro-batch token counts {packed.lengths} differ from total_lengths")
         if self.ps.size("cp") > 1:
@@ -261,8 +291,8 @@ class MegatronTrainer:
     def _compute_logprobs(self, mbs: list[dict[str, Any]], key: str, store_prefix: str = "") -> None:
         """Fill `mb[key]` with per-sample response log-probs of the current weights (no grad)."""
         if "before_log_prob" in self._hooks:
-            self._hooks["before_log_prob"](self.args, [self.model], store_prefix)
-        self.model.eval()
+            self._hooks["before_log_prob"](self.args, self.chunks, store_prefix)
+        self._set_mode(False)
         for mb in mbs:
             mb[key] = [None] * len(mb["tokens"])
         batches = [(b, t) for b, t in self._logprob_batches(mbs) if b["tokens"]]
@@ -272,7 +302,7 @@ class MegatronTrainer:
             logits, packed = self._forward_logits(batch)
             for (j, p), x in zip(targets, self._batch_logprobs(logits, batch, packed), strict=True):
                 mbs[j][key][p] = x  # computed under no_grad: nothing to detach
-        self.model.train()
+        self._set_mode(True)
 
     def _batch_logprobs(self, logits: torch.Tensor, batch: dict[str, Any], packed: PackedBatch) -> list[torch.Tensor]:
         """Whole per-sample response log-probs of one batch's logits (under CP gathered back in sample order)."""
@@ -284,32 +314,29 @@ class MegatronTrainer:
     def _pipelined_logprobs(self, batches: list[tuple[dict[str, Any], list[tuple[int, int]]]], mbs, key: str) -> None:
         """PP > 1: the log-prob pass through megatron's forward-only pipeline schedule. The last stage scores the
         batches; their log-probs are then broadcast to the other stages (which compute advantages too)."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
 
         if not batches:
             return
+        if len(self.chunks) > 1:
+            # the interleaved schedule runs micro-batches in groups of `microbatch_group_size_per_vp_stage`:
+            # pad with empty batches (one dummy token each, scored as nothing)
+            group = self.chunks[0].config.microbatch_group_size_per_vp_stage
+            empty = {"tokens": [], "total_lengths": [], "response_lengths": []}
+            batches = batches + [(dict(empty), [])] * (-len(batches) % group)
         last = self.is_last_stage()
         scored: list[list[torch.Tensor]] = []
 
         def forward_step(it: Iterator[dict[str, Any]], model: Any):
             batch = next(it)
-            out, packed = self._stage_forward(batch)
+            out, packed = self._stage_forward(batch, model)
 
             def loss_func(output: torch.Tensor):  # runs on the last stage only
-                scored.append(self._batch_logprobs(output, batch, packed))
+                scored.append(self._batch_logprobs(output, batch, packed) if batch["tokens"] else [])
                 return output.sum() * 0.0, torch.tensor(1, dtype=torch.int), {}
 
             return out, loss_func
 
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter([b for b, _ in batches]),
-            model=[self.model],
-            num_microbatches=len(batches),
-            seq_length=max(sum(b["total_lengths"]) for b, _ in batches),
-            micro_batch_size=1,
-            forward_only=True,
-        )
+        self._run_schedule(forward_step, [b for b, _ in batches], forward_only=True)
         sizes = [sum(b["response_lengths"]) for b, _ in batches]
         flat = torch.zeros(sum(sizes), dtype=torch.float32, device=_device())
         if last:
@@ -322,20 +349,43 @@ class MegatronTrainer:
     def is_last_stage(self) -> bool:
         return self.ps.rank("pp") == self.ps.size("pp") - 1
 
-    def _stage_forward(self, mb: dict[str, Any]) -> tuple[torch.Tensor, PackedBatch]:
-        """This pipeline stage's forward of one micro-batch: the training head's output (`_forward`) on the last
-        stage, the hidden states megatron's schedule sends on before it (its input came from the stage before)."""
-        if self.is_last_stage():
-            return self._forward(mb)
+    def _run_schedule(self, forward_step: Any, items: list[dict[str, Any]], forward_only: bool) -> None:
+        """megatron's schedule (no pipelining, 1F1B, or interleaved for virtual stages) over `items`.
+
+        Interleaved: one iterator per chunk (each virtual stage runs every micro-batch) and every row padded to
+        the run's longest, whose length is the schedule's fixed p2p shape."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        seq_length = 1
+        if len(self.chunks) > 1:
+            seq_length = self._pad_to = max(self._pack(mb).total_len for mb in items)
+        try:
+            get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(items) if len(self.chunks) == 1 else [iter(items) for _ in self.chunks],
+                model=self.chunks,
+                num_microbatches=len(items),
+                seq_length=seq_length,
+                micro_batch_size=1,
+                forward_only=forward_only,
+            )
+        finally:
+            self._pad_to = None
+
+    def _stage_forward(self, mb: dict[str, Any], model: Any) -> tuple[torch.Tensor, PackedBatch]:
+        """One model chunk's forward of one micro-batch: the training head's output on the chunk that ends the
+        model (`_forward`: logits here, values in the critic), else the hidden states megatron's schedule sends
+        on to the next stage (this chunk's input came from the one before)."""
+        if unwrap_model(model).post_process:
+            return self._forward(mb) if len(self.chunks) == 1 else self._forward_logits(mb, model)
         packed = self._pack(mb)
         tokens, positions = packed.model_inputs()
-        return self.model(tokens, positions, None, packed_seq_params=packed.packed_seq_params), packed
+        return model(tokens, positions, None, packed_seq_params=packed.packed_seq_params), packed
 
     @torch.no_grad()
     def _swap_params(self, source: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        module = unwrap_model(self.model)
         saved = {}
-        for n, p in module.named_parameters():
+        for n, p in self.named_parameters():
             saved[n] = p.detach().to("cpu", copy=True)
             p.copy_(source[n].to(p.device))
         return saved
@@ -397,9 +447,7 @@ class MegatronTrainer:
             and (rollout_id + 1) % args.ref_update_interval == 0
         ):
             # --ref-update-interval: the reference policy becomes the current actor
-            self.ref_params = {
-                n: p.detach().to("cpu", copy=True) for n, p in unwrap_model(self.model).named_parameters()
-            }
+            self.ref_params = {n: p.detach().to("cpu", copy=True) for n, p in self.named_parameters()}
         return metrics
 
     def _run_steps(self, rollout_id: int, data: dict[str, Any], mbs: list[dict[str, Any]]) -> dict[str, float]:
@@ -413,7 +461,7 @@ class MegatronTrainer:
             b = data["global_batch_sizes"][step]
             if "before_train_step" in self._hooks:
                 self._hooks["before_train_step"](
-                    self.args, rollout_id, step, [self.model], self.optimizer, self.scheduler
+                    self.args, rollout_id, step, self.chunks, self.optimizer, self.scheduler
                 )
             step_metrics = self._optimizer_step(step_mbs, b)
             num_tokens += sum(sum(mb["total_lengths"]) for mb in step_mbs)
@@ -517,7 +565,6 @@ class MegatronTrainer:
                     mb[key] = [view[key][i] for i in mb["indices"]]
 
     def _optimizer_step(self, step_mbs: list[dict[str, Any]], global_batch_size: int) -> dict[str, float]:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
 
         args = self.args
         per_token = args.calculate_per_token_loss
@@ -550,21 +597,14 @@ class MegatronTrainer:
         def forward_step(it: Iterator[dict[str, Any]], model: Any):
             nonlocal packed_rows
             mb = next(it)
-            logits, packed = self._stage_forward(mb)
+            logits, packed = self._stage_forward(mb, model)
             packed_rows += packed.total_len - packed.pad if mb["tokens"] else 0
             return logits, partial(loss_func, mb, packed)
 
-        self.model.zero_grad_buffer()
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(step_mbs),
-            model=[self.model],
-            num_microbatches=n_mb,
-            seq_length=max((max(mb["total_lengths"], default=1) for mb in step_mbs), default=1),
-            micro_batch_size=1,
-            forward_only=False,
-        )
+        self._run_schedule(forward_step, step_mbs, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=global_batch_size)
         self.train_step_id += 1
@@ -640,7 +680,7 @@ class MegatronTrainer:
             for name, t in iter_hf_tensors(named, self.spec, self.ps, layer_offset(self.model)):
                 yield name, t.to(dtype) if dtype is not None else t
             return
-        yield from export_hf_weights([self.model], self.spec, self.ps, dtype=dtype)
+        yield from export_hf_weights(self.chunks, self.spec, self.ps, dtype=dtype)
 
     def save_hf(self, path: str) -> None:
         """`--save-hf`: an HF checkpoint `transformers` loads (config + tokenizer copied from --hf-checkpoint).
