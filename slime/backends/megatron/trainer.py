@@ -38,6 +38,7 @@ from slime.backends.megatron.initialize import init_distributed, init_megatron, 
 from slime.backends.megatron.model_provider import build_gpt_model, mask_padded_vocab
 from slime.backends.megatron.offload import PhaseMemory, no_region
 from slime.backends.megatron.packing import PackedBatch, pack_samples
+from slime.backends.megatron.pipeline_runs import ModelChunks, current_device
 from slime.utils.misc import load_function
 
 logger = logging.getLogger(__name__)
@@ -45,11 +46,7 @@ logger = logging.getLogger(__name__)
 _EMPTY = object()  # marks a padding micro-batch (a rank with nothing to do in a step still joins the schedule)
 
 
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-class MegatronTrainer:
+class MegatronTrainer(ModelChunks):
     metric_prefix = "train/"
 
     def __init__(
@@ -166,27 +163,6 @@ class MegatronTrainer:
         self.weight_version = 0
         self.train_step_id = 0
 
-    def _build_models(self) -> list[Any]:
-        """This rank's model chunks: one, or one per virtual pipeline stage (each its own layers)."""
-        vpp = self.args.virtual_pipeline_model_parallel_size or 1
-        if vpp == 1:
-            return [self._build_model()]
-        models = [build_gpt_model(self.args, self.spec, vp_stage=i) for i in range(vpp)]
-        if torch.cuda.is_available():
-            models = [m.cuda() for m in models]
-        load_hf_weights(models, self.args.hf_checkpoint, self.spec, self.ps)
-        return models
-
-    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every parameter of the rank's chunks; names carry the chunk index when there are several."""
-        for i, chunk in enumerate(self.chunks):
-            for n, p in unwrap_model(chunk).named_parameters():
-                yield (n if len(self.chunks) == 1 else f"chunk{i}.{n}"), p
-
-    def _set_mode(self, train: bool) -> None:
-        for chunk in self.chunks:
-            chunk.train(train)
-
     def _build_model(self) -> Any:
         """This rank's GPTModel with the HF checkpoint's weights (the critic replaces it: critic.py)."""
         model = build_gpt_model(self.args, self.spec)
@@ -210,7 +186,11 @@ class MegatronTrainer:
         if self.args.share_prompt_prefix and mb["tokens"] and "response_lengths" in mb:
             prompts = [t - r for t, r in zip(mb["total_lengths"], mb["response_lengths"], strict=True)]
         packed = pack_samples(
-            tokens, pad_multiple=self.pad_multiple, device=_device(), prompt_lengths=prompts, pad_to=self._pad_to
+            tokens,
+            pad_multiple=self.pad_multiple,
+            device=current_device(),
+            prompt_lengths=prompts,
+            pad_to=self._pad_to,
         )
         if mb["tokens"] and "total_lengths" in mb and packed.lengths != list(mb["total_lengths"]):
             raise ValueError(f"micro-batch token counts {packed.lengths} differ from total_lengths")
@@ -311,77 +291,6 @@ class MegatronTrainer:
             lp = gather_responses(lp, picked, batch["response_lengths"], self.ps)
         return lp
 
-    def _pipelined_logprobs(self, batches: list[tuple[dict[str, Any], list[tuple[int, int]]]], mbs, key: str) -> None:
-        """PP > 1: the log-prob pass through megatron's forward-only pipeline schedule. The last stage scores the
-        batches; their log-probs are then broadcast to the other stages (which compute advantages too)."""
-
-        if not batches:
-            return
-        if len(self.chunks) > 1:
-            # the interleaved schedule runs micro-batches in groups of `microbatch_group_size_per_vp_stage`:
-            # pad with empty batches (one dummy token each, scored as nothing)
-            group = self.chunks[0].config.microbatch_group_size_per_vp_stage
-            empty = {"tokens": [], "total_lengths": [], "response_lengths": []}
-            batches = batches + [(dict(empty), [])] * (-len(batches) % group)
-        last = self.is_last_stage()
-        scored: list[list[torch.Tensor]] = []
-
-        def forward_step(it: Iterator[dict[str, Any]], model: Any):
-            batch = next(it)
-            out, packed = self._stage_forward(batch, model)
-
-            def loss_func(output: torch.Tensor):  # runs on the last stage only
-                scored.append(self._batch_logprobs(output, batch, packed) if batch["tokens"] else [])
-                return output.sum() * 0.0, torch.tensor(1, dtype=torch.int), {}
-
-            return out, loss_func
-
-        self._run_schedule(forward_step, [b for b, _ in batches], forward_only=True)
-        sizes = [sum(b["response_lengths"]) for b, _ in batches]
-        flat = torch.zeros(sum(sizes), dtype=torch.float32, device=_device())
-        if last:
-            flat.copy_(torch.cat([torch.cat(lp) if lp else flat.new_zeros(0) for lp in scored]))
-        self.ps.broadcast(flat, src=self.ps.size("pp") - 1, dim="pp")
-        for (batch, targets), part in zip(batches, flat.split(sizes), strict=True):
-            for (j, p), x in zip(targets, part.split(list(batch["response_lengths"])), strict=True):
-                mbs[j][key][p] = x
-
-    def is_last_stage(self) -> bool:
-        return self.ps.rank("pp") == self.ps.size("pp") - 1
-
-    def _run_schedule(self, forward_step: Any, items: list[dict[str, Any]], forward_only: bool) -> None:
-        """megatron's schedule (no pipelining, 1F1B, or interleaved for virtual stages) over `items`.
-
-        Interleaved: one iterator per chunk (each virtual stage runs every micro-batch) and every row padded to
-        the run's longest, whose length is the schedule's fixed p2p shape."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        seq_length = 1
-        if len(self.chunks) > 1:
-            seq_length = self._pad_to = max(self._pack(mb).total_len for mb in items)
-        try:
-            get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=iter(items) if len(self.chunks) == 1 else [iter(items) for _ in self.chunks],
-                model=self.chunks,
-                num_microbatches=len(items),
-                seq_length=seq_length,
-                micro_batch_size=1,
-                forward_only=forward_only,
-            )
-        finally:
-            self._pad_to = None
-
-    def _stage_forward(self, mb: dict[str, Any], model: Any) -> tuple[torch.Tensor, PackedBatch]:
-        """One model chunk's forward of one micro-batch: the training head's output on the chunk that ends the
-        model (`_forward`: logits here, values in the critic), else the hidden states megatron's schedule sends
-        on to the next stage (this chunk's input came from the one before)."""
-        if unwrap_model(model).post_process:
-            return self._forward(mb) if len(self.chunks) == 1 else self._forward_logits(mb, model)
-        packed = self._pack(mb)
-        tokens, positions = packed.model_inputs()
-        return model(tokens, positions, None, packed_seq_params=packed.packed_seq_params), packed
-
     @torch.no_grad()
     def _swap_params(self, source: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         saved = {}
@@ -407,7 +316,9 @@ class MegatronTrainer:
             if values is None:
                 raise ValueError("--advantage-estimator ppo: the actor needs the critic's values")
             for mb in mbs:
-                mb["values"] = [torch.tensor(values[i], dtype=torch.float32, device=_device()) for i in mb["indices"]]
+                mb["values"] = [
+                    torch.tensor(values[i], dtype=torch.float32, device=current_device()) for i in mb["indices"]
+                ]
         # sft_loss reads only the live forward's log-probs, so the old-policy pass would be a wasted forward.
         needs_old = args.loss_type != "sft_loss"
         recompute = needs_old and (not args.use_rollout_logprobs or args.get_mismatch_metrics)
@@ -416,7 +327,7 @@ class MegatronTrainer:
         elif needs_old and "rollout_log_probs" in data:
             for mb in mbs:
                 mb["log_probs"] = [
-                    torch.tensor(x, dtype=torch.float32, device=_device()) for x in mb["rollout_log_probs"]
+                    torch.tensor(x, dtype=torch.float32, device=current_device()) for x in mb["rollout_log_probs"]
                 ]
         if self.ref_params is not None:
             actor = self._swap_params(self.ref_params)
@@ -475,7 +386,7 @@ class MegatronTrainer:
 
     def _max_rollout_logprob_diff(self, mbs: list[dict[str, Any]]) -> float:
         """max |ℓ_recomputed − ℓ_engine| over loss-masked response tokens of every rank (0 when there are none)."""
-        m = torch.zeros((), dtype=torch.float64, device=_device())
+        m = torch.zeros((), dtype=torch.float64, device=current_device())
         for mb in mbs:
             if len(mb.get("log_probs", [])) != len(mb["rollout_log_probs"]):
                 raise ValueError("recomputed and rollout log-probs cover different samples")
@@ -490,7 +401,7 @@ class MegatronTrainer:
 
     def _prepare_batch(self, mb: dict[str, Any]) -> None:
         """Turn one micro-batch's lists into the tensors `loss_function` expects (CP=1: responses whole)."""
-        dev = _device()
+        dev = current_device()
         mb["loss_masks"] = [torch.tensor(m, dtype=torch.float32, device=dev) for m in mb["loss_masks"]]
         if "rollout_log_probs" in mb:
             mb["rollout_log_probs"] = [
@@ -619,13 +530,7 @@ class MegatronTrainer:
         metrics = reduce_train_metrics(
             sums, self.ps, global_batch_size=global_batch_size, per_token=per_token, local_num_tokens=local_tokens
         )
-        if self.ps.size("pp") > 1:  # losses and metrics live on the last stage; every stage reports them
-            import torch.distributed as dist
-
-            box = [metrics]
-            last = dist.get_global_rank(self.ps.group("pp"), self.ps.size("pp") - 1)
-            dist.broadcast_object_list(box, src=last, group=self.ps.group("pp"))
-            metrics = box[0]
+        metrics = self._from_last_stage(metrics)  # losses and metrics live on the last pipeline stage
         pre = self.metric_prefix
         out = {f"{pre}{k}": v for k, v in metrics.items()}
         out[f"{pre}grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
