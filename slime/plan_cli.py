@@ -1,4 +1,5 @@
-"""`slime plan [--sglang-config X] [--json] <slime train flags>`: print the deployment and memory plans, start nothing.
+"""`slime plan [--sglang-config X] [--json] <slime train flags>`: print the deployment plan, the train ranks' layout
+(node, GPU, tp/cp/dp/pp rank) and the memory plan; start nothing.
 
 Takes the same flags as `slime train` so what it prints is what training would launch. Planning must work
 on a laptop without the checkpoint, so `--hf-checkpoint` need not exist and the batch-size flags that
@@ -86,6 +87,43 @@ def render_table(plan: DeploymentPlan, source: str | None) -> str:
     return console.export_text()
 
 
+def train_ranks(args: argparse.Namespace) -> list[dict[str, int]]:
+    """Every train rank's place: node, GPU on the node, and its rank along tp, cp, dp and pp, in megatron's
+    order (tp-cp-ep-dp-pp: TP neighbours adjacent, stages farthest apart). `sender`: 1 for the rank of its
+    stage that sends weights to the engines (dp = tp = cp = 0). Empty with --debug-rollout-only."""
+    from slime.backends.megatron.rank_layout import rank_groups, rank_of
+
+    if args.debug_rollout_only:
+        return []
+    world, per_node = args.world_size, args.actor_num_gpus_per_node
+    tp, cp, pp = args.tensor_model_parallel_size, args.context_parallel_size, args.pipeline_model_parallel_size
+    groups = rank_groups(world, tp=tp, pp=pp, cp=cp)
+    where = {d: rank_of(groups[d], world) for d in ("tp", "cp", "dp", "pp")}
+    rows = []
+    for r in range(world):
+        row = {"rank": r, "node": r // per_node, "gpu": r % per_node}
+        row.update({d: where[d][r][1] for d in ("tp", "cp", "dp", "pp")})
+        row["sender"] = int(row["tp"] == row["cp"] == row["dp"] == 0)
+        rows.append(row)
+    return rows
+
+
+def render_ranks(rows: list[dict[str, int]]) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=io.StringIO(), width=160, record=True, force_terminal=False)
+    t = Table(title="train ranks (megatron order tp-cp-ep-dp-pp)")
+    for col in ("rank", "node", "gpu", "tp", "cp", "dp", "pp", "sender"):
+        t.add_column(col, justify="right")
+    for row in rows:
+        t.add_row(
+            *(str(row[c]) for c in ("rank", "node", "gpu", "tp", "cp", "dp", "pp")), "yes" if row["sender"] else ""
+        )
+    console.print(t)
+    return console.export_text()
+
+
 def memory_plans(args: argparse.Namespace) -> dict[str, MemoryPlan] | None:
     """The memory plan under each offload policy ("none" too when offload is off), or None without a model shape
     (no config.json at --hf-checkpoint) or without trainers (--debug-rollout-only)."""
@@ -148,9 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     memory = memory_plans(args)
     if as_json:
         mem = None if memory is None else {"selected": next(iter(memory)), "policies": {p: m.to_dict() for p, m in memory.items()}}  # fmt: skip
-        print(json.dumps({"source": config.source, **plan.to_dict(), "memory": mem}, indent=2))
+        ranks = train_ranks(args)
+        print(json.dumps({"source": config.source, **plan.to_dict(), "train_ranks": ranks, "memory": mem}, indent=2))
     else:
         sys.stdout.write(render_table(plan, config.source))
+        if not args.debug_rollout_only:
+            sys.stdout.write(render_ranks(train_ranks(args)))
         if memory is None:
             sys.stdout.write("memory plan: needs the model's shape (config.json at --hf-checkpoint)\n")
         else:

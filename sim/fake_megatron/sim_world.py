@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from sim.fake_megatron.rank_layout import expert_rank_groups, rank_groups, rank_of
+from slime.backends.megatron.rank_layout import expert_rank_groups, rank_groups, rank_of
 
 logger = logging.getLogger(__name__)
 

@@ -203,7 +203,7 @@ def response_logprobs_and_entropy(
         targets += [tok[prompt + lo : prompt + hi] for lo, hi in ranges]
         sizes.append(len(r))
     tgt = torch.cat(targets).to(logits.device) if targets else torch.empty(0, dtype=torch.long, device=logits.device)
-    return _score_rows(
+    return score_rows(
         logits,
         rows,
         tgt,
@@ -216,9 +216,9 @@ def response_logprobs_and_entropy(
     )
 
 
-def _score_rows(
+def score_rows(
     logits: torch.Tensor,
-    rows: list[int],
+    rows: list[int] | torch.Tensor,
     targets: torch.Tensor,
     sizes: list[int],
     ps: ParallelState | None,
@@ -228,8 +228,9 @@ def _score_rows(
     with_entropy: bool,
     chunk_size: int,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The shared tail of both readers: score logits `rows` against `targets` in one call, split per sample."""
-    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    """Score logits `rows` against `targets` in one call, split per sample (`sizes`): the shared tail of the
+    readers here and of the trainer's context-parallel reader (backends/megatron/context_parallel.py)."""
+    idx = torch.as_tensor(rows, dtype=torch.long).to(logits.device)
     logp, ent = vocab_parallel_logprobs_and_entropy(
         logits.index_select(0, idx),
         targets,
@@ -274,7 +275,7 @@ def packed_response_logprobs_and_entropy(
         target += rows[total - resp : total]
     dev = logits.device
     targets = row_tokens.reshape(-1).to(dev).index_select(0, torch.tensor(target, dtype=torch.long, device=dev))
-    return _score_rows(
+    return score_rows(
         logits,
         pred,
         targets,

@@ -117,7 +117,11 @@ class TrainRayActor:
                 meta = load_trainer_state(self.trainer, load_path)
             if self.args.start_rollout_id is None:
                 start = int(meta["rollout_id"]) + 1
-        self.offloader.attach(self.trainer.model, self.trainer.optimizer)
+        import torch
+
+        # every chunk's parameters (several only with virtual pipeline stages, which refuse --offload-train)
+        chunks = self.trainer.chunks
+        self.offloader.attach(chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks), self.trainer.optimizer)
         self.offloader.sleep()
         return start
 
@@ -185,7 +189,7 @@ class TrainRayActor:
         if not self.offloader.enabled:
             return {}
         rep = self.offloader.memory_report()
-        params = sum(p.numel() for p in self.trainer.model.parameters())
+        params = sum(p.numel() for c in self.trainer.chunks for p in c.parameters())
         return {
             f"memory/{self.role}_host_asleep_bytes": float(sum(rep["host"].values())),
             f"memory/{self.role}_host_rss_asleep_bytes": float(rep["rss_asleep"]),

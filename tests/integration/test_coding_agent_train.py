@@ -93,7 +93,7 @@ def check_rollouts(tmp_path: Path, num_rollout: int, episodes: int) -> list[Samp
         assert len(sessions) == episodes, f"rollout {rid}: {len(sessions)} episodes"
         for s in samples:
             iid = s.metadata["instance_id"]
-            assert s.status == Status.COMPLETED, s.metadata
+            assert s.status == Status.COMPLETED, s.metadata.get("abort_reason")
             assert s.metadata["num_tool_calls"] == 1 and s.metadata["apply_method"] is not None, s.metadata
             want = expected_reward(iid)
             assert s.metadata["reward"] == want, (iid, s.metadata)  # per episode; the sample's reward is /K

@@ -82,6 +82,20 @@ def test_sglang_passthrough_known_flag(hf_dir):
         (("--over-sampling-batch-size", "2"), r"--over-sampling-batch-size \(2\) must be >="),
         (("--use-dynamic-batch-size",), r"needs --max-tokens-per-gpu"),
         (("--rollout-engine", "sim", "--sim-engine", "scripted"), r"needs --sim-script"),
+        (("--context-parallel-size", "0"), r"--context-parallel-size and --pipeline-model-parallel-size must be >= 1"),
+        (("--actor-num-gpus-per-node", "2", "--context-parallel-size", "4"), r"x --context-parallel-size 4 x"),
+        (
+            ("--actor-num-gpus-per-node", "4", "--context-parallel-size", "2", "--pipeline-model-parallel-size", "4"),
+            r"--pipeline-model-parallel-size 4 does not divide the 4 train GPUs",
+        ),
+        (
+            ("--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2", "--advantage-estimator", "ppo"),
+            r"critic is not pipelined",
+        ),
+        (
+            ("--actor-num-gpus-per-node", "2", "--context-parallel-size", "2", "--advantage-estimator", "ppo"),
+            r"critic is not context-parallel",
+        ),
     ],
 )
 def test_bad_flags_give_one_line(hf_dir, extra, pattern):
@@ -113,3 +127,9 @@ def test_custom_config_yaml(hf_dir, tmp_path):
     cfg.write_text("a: [1,\n")
     with pytest.raises(SlimeArgError, match=r"c.yaml:\d+: invalid YAML"):
         parse_args(base(hf_dir, "--custom-config-path", str(cfg)))
+
+
+def test_context_parallel_is_accepted(hf_dir):
+    args = parse_args(base(hf_dir, "--actor-num-gpus-per-node", "4", "--context-parallel-size", "2",
+                           "--pipeline-model-parallel-size", "2"))  # fmt: skip
+    assert (args.context_parallel_size, args.pipeline_model_parallel_size) == (2, 2)

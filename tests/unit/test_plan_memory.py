@@ -55,3 +55,20 @@ def test_table_and_refusal_of_what_cannot_fit(ckpt, capsys):
 def test_without_a_config_json_only_the_deployment_plan(capsys):
     assert plan_main(["--hf-checkpoint", "/nowhere", "--rollout-num-gpus", "2"]) == 0
     assert "memory plan: needs the model's shape" in capsys.readouterr().out
+
+
+def test_train_ranks_follow_megatron_order(ckpt, capsys):
+    """8 GPUs on 2 nodes as tp 2 x cp 2 x pp 2: TP neighbours adjacent, CP next, stages farthest apart; one weight
+    sender per stage. The same layout sim/fake_megatron simulates (tests/property check it against megatron)."""
+    flags = ["--json", "--hf-checkpoint", ckpt, "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "4",
+             "--rollout-num-gpus", "2", "--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
+             "--pipeline-model-parallel-size", "2"]  # fmt: skip
+    assert plan_main(flags) == 0
+    ranks = json.loads(capsys.readouterr().out)["train_ranks"]
+    assert [(r["tp"], r["cp"], r["dp"], r["pp"]) for r in ranks] == [
+        (0, 0, 0, 0), (1, 0, 0, 0), (0, 1, 0, 0), (1, 1, 0, 0), (0, 0, 0, 1), (1, 0, 0, 1), (0, 1, 0, 1), (1, 1, 0, 1),
+    ]  # fmt: skip
+    assert [(r["node"], r["gpu"]) for r in ranks][3:5] == [(0, 3), (1, 0)]
+    assert [r["rank"] for r in ranks if r["sender"]] == [0, 4]
+    assert plan_main(flags[1:]) == 0
+    assert "train ranks (megatron order tp-cp-ep-dp-pp)" in capsys.readouterr().out

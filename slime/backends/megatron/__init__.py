@@ -13,4 +13,8 @@ import costs ~7 s):
 - `hf_weights`: `load_hf_weights(model, hf_dir, spec, ps)`, `export_hf_weights(model, spec, ps, bucket_bytes)`.
 - `packing`: `pack_samples(token_lists, pad_multiple, prompt_lengths=None)` (with prompt lengths, samples of
   one prompt share its rows), `unpack`, `unpack_logits`.
+- `context_parallel`: a packed row's zigzag share per CP rank, K/V gathered over the CP group, response
+  tokens scored per rank and gathered back in sample order.
+- `pipeline_runs`: `ModelChunks`, the trainer's model chunk(s) and megatron's pipeline schedules over them.
+- `rank_layout`: megatron's rank order (tp-cp-ep-dp-pp) without megatron; `slime plan` and `sim/` use it.
 """

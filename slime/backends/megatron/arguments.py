@@ -7,16 +7,13 @@ import argparse
 
 from slime.utils.errors import SlimeArgError
 
-_PARALLEL_ISSUE = "the trainer runs tensor and data parallelism only for now"
+_PARALLEL_ISSUE = "the trainer runs tensor, pipeline, context and data parallelism for now"
 # Flags whose features are not built yet; setting one is refused before Ray starts (slime/arguments.py).
 UNSUPPORTED = {
-    "pipeline_model_parallel_size": f"pipeline parallelism: {_PARALLEL_ISSUE}",
-    "virtual_pipeline_model_parallel_size": f"virtual pipeline stages: {_PARALLEL_ISSUE}",
-    "microbatch_group_size_per_vp_stage": f"virtual pipeline stages: {_PARALLEL_ISSUE}",
-    "context_parallel_size": f"context parallelism: {_PARALLEL_ISSUE}",
     "expert_model_parallel_size": f"expert parallelism (MoE): {_PARALLEL_ISSUE}",
     "expert_tensor_parallel_size": f"expert tensor parallelism (MoE): {_PARALLEL_ISSUE}",
-    "sequence_parallel": f"sequence parallelism: {_PARALLEL_ISSUE}",
+    "sequence_parallel": "sequence parallelism: megatron-core 0.16.1's local-spec norm (WrappedTorchNorm) refuses it; "
+    "slime has no sequence-parallel norm yet",
 }
 
 
@@ -24,9 +21,24 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training (Megatron-style)")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
-    g.add_argument("--microbatch-group-size-per-vp-stage", type=int, default=None)
-    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument(
+        "--virtual-pipeline-model-parallel-size",
+        type=int,
+        default=None,
+        help="model chunks per pipeline rank (megatron's interleaved schedule); needs --pipeline-model-parallel-size > 1",
+    )
+    g.add_argument(
+        "--microbatch-group-size-per-vp-stage",
+        type=int,
+        default=None,
+        help="micro-batches a virtual stage runs back to back (default and minimum: the pipeline size)",
+    )
+    g.add_argument(
+        "--context-parallel-size",
+        type=int,
+        default=1,
+        help="split every packed micro-batch over this many ranks (zigzag chunks; attention exact across them)",
+    )
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None)
     g.add_argument("--sequence-parallel", action="store_true")
@@ -107,6 +119,36 @@ def validate_megatron_args(args: argparse.Namespace) -> None:
         raise SlimeArgError(
             f"--tensor-model-parallel-size {args.tensor_model_parallel_size} does not divide the "
             f"{args.world_size} train GPUs (--actor-num-nodes x --actor-num-gpus-per-node)"
+        )
+    cp, pp = args.context_parallel_size, args.pipeline_model_parallel_size
+    if cp < 1 or pp < 1:
+        raise SlimeArgError("--context-parallel-size and --pipeline-model-parallel-size must be >= 1")
+    if args.world_size % (args.tensor_model_parallel_size * cp * pp) and not args.debug_rollout_only:
+        raise SlimeArgError(
+            f"--tensor-model-parallel-size {args.tensor_model_parallel_size} x --context-parallel-size {cp} x "
+            f"--pipeline-model-parallel-size {pp} does not divide the {args.world_size} train GPUs "
+            "(--actor-num-nodes x --actor-num-gpus-per-node)"
+        )
+    vpp, group = args.virtual_pipeline_model_parallel_size, args.microbatch_group_size_per_vp_stage
+    if vpp is not None and (vpp < 1 or (vpp > 1 and pp == 1)):
+        raise SlimeArgError("--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size > 1")
+    if group is not None and (not vpp or vpp == 1 or group < pp):
+        raise SlimeArgError(
+            "--microbatch-group-size-per-vp-stage needs --virtual-pipeline-model-parallel-size > 1 and must be >= "
+            "--pipeline-model-parallel-size"
+        )
+    if vpp and vpp > 1 and args.offload_train:
+        raise SlimeArgError(
+            "--virtual-pipeline-model-parallel-size > 1 with --offload-train (the --colocate default): offload keeps "
+            "one model chunk per rank for now; pass --no-offload-train or drop the virtual stages"
+        )
+    if pp > 1 and args.advantage_estimator == "ppo":
+        raise SlimeArgError(
+            "--pipeline-model-parallel-size > 1 with --advantage-estimator ppo: the critic is not pipelined yet"
+        )
+    if cp > 1 and args.advantage_estimator == "ppo":
+        raise SlimeArgError(
+            "--context-parallel-size > 1 with --advantage-estimator ppo: the critic is not context-parallel yet"
         )
     if args.update_weights_interval < 1:
         raise SlimeArgError("--update-weights-interval must be >= 1")

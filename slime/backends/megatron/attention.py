@@ -14,6 +14,9 @@ Shapes (what `SelfAttention.forward` hands over, megatron/core/transformer/atten
   attends causally to itself; a branch of a shared prompt attends to the whole prompt and causally to itself.
   Other `PackedSeqParams` are read the usual way: each `[cu_seqlens_q[i], cu_seqlens_q[i+1])` segment
   attends causally to itself only. RoPE has already been applied to q and k (rope.py).
+- context parallel (a row carrying a `CPShard` in `_slime_cp`): q/k/v hold this rank's zigzag chunks of the
+  row; keys and values are all-gathered over the CP group and each local query attends under the same rules
+  in whole-row coordinates (context_parallel.py), so the result is the single-rank one.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from slime.backends.megatron.context_parallel import gather_over_cp
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +52,6 @@ class SDPACoreAttention(MegatronModule):
         pg_collection: object | None = None,
     ) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise NotImplementedError("SDPACoreAttention does not implement context parallelism (cp must be 1)")
         if config.softmax_type != "vanilla" or config.window_size is not None:
             raise NotImplementedError("SDPACoreAttention supports vanilla softmax without sliding windows only")
         self.layer_number = max(1, layer_number)
@@ -90,6 +93,8 @@ class SDPACoreAttention(MegatronModule):
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by SDPACoreAttention")
         causal = self._is_causal(attn_mask_type)
+        if self.config.context_parallel_size > 1 and getattr(packed_seq_params, "_slime_cp", None) is None:
+            raise NotImplementedError("context parallelism needs slime's packed rows (context_parallel.py)")
         if packed_seq_params is not None:
             if packed_seq_params.qkv_format != "thd":
                 raise NotImplementedError(f"packed qkv_format {packed_seq_params.qkv_format!r} (only 'thd')")
@@ -125,6 +130,10 @@ class SDPACoreAttention(MegatronModule):
             )
         if query.dim() == 4:  # tolerate an unsqueezed batch of one
             query, key, value = (x.squeeze(1) for x in (query, key, value))
+        shard = getattr(params, "_slime_cp", None)
+        if shard is not None and shard.size > 1:
+            # local queries against the whole row's keys and values (context_parallel.py)
+            key, value = gather_over_cp(key, shard), gather_over_cp(value, shard)
         out = query.new_zeros(query.size(0), query.size(1), value.size(-1))
         for b in _length_buckets(params, query.device):
             if b.rows_q is None:  # one whole segment of this length: slices are views, no gather
@@ -135,7 +144,7 @@ class SDPACoreAttention(MegatronModule):
             else:
                 q = query[b.rows_q].transpose(1, 2)
                 k, v = key[b.rows_kv].transpose(1, 2), value[b.rows_kv].transpose(1, 2)
-            if b.mask is not None:  # a branch: the whole shared prompt, then causal over its own tokens
+            if b.mask is not None:  # a branch or a CP piece: bottom-right causal, after any shared prompt
                 res = self._sdpa(q, k, v, attn_mask=b.mask)
             else:
                 res = self._sdpa(q, k, v, is_causal=causal)
@@ -156,14 +165,29 @@ class _Bucket:
     starts: tuple[int, int]  # (q, kv) start of the first segment: the view path when it is alone
     rows_q: torch.Tensor | None  # None: a single segment without a shared prompt, sliced as views
     rows_kv: torch.Tensor | None
-    mask: torch.Tensor | None  # [len_q, len_kv] allowed, for branches (prompt + causal own tokens)
+    mask: torch.Tensor | None  # [len_q, len_kv] allowed: prompt + causal own tokens, bottom-right aligned
 
 
 def _segments(params: PackedSeqParams) -> list[tuple[int, int, int, int, int, int]]:
-    """(q_start, len_q, kv_start, len_kv, prefix_start, prefix_len) of every non-empty segment."""
+    """(q_start, len_q, kv_start, len_kv, prefix_start, prefix_len) of every non-empty query piece.
+
+    Queries [q_start, q_start + len_q) are the *last* len_q of the keys [kv_start, kv_start + len_kv) (causal,
+    bottom-right aligned), after the shared prompt's keys. Without CP a piece is a whole segment (len_q ==
+    len_kv, q_start == kv_start); with CP it is the part of a segment that lies in one of this rank's chunks,
+    q_start local, keys in whole-row coordinates.
+    """
     tree = getattr(params, "_slime_segments", None)
     if tree is not None:  # slime's packing (packing.py): self-attention, maybe over a shared prompt
-        return [(qs, n, qs, n, ps, pl) for qs, n, ps, pl in tree]
+        shard = getattr(params, "_slime_cp", None)
+        if shard is None or shard.size == 1:
+            return [(qs, n, qs, n, ps, pl) for qs, n, ps, pl in tree]
+        out = []
+        for cs, ce, local in shard.local_pieces():
+            for qs, n, ps, pl in tree:
+                a, b = max(qs, cs), min(qs + n, ce)
+                if a < b:
+                    out.append((local + a - cs, b - a, qs, b - qs, ps, pl))
+        return out
     cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
     cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
     bounds_q = cu_q.tolist()
@@ -195,16 +219,17 @@ def _length_buckets(params: PackedSeqParams, device: torch.device) -> list[_Buck
     plan: list[_Bucket] = []
     for (len_q, len_kv, pl), starts in groups.items():
         first = (starts[0][0], starts[0][1])
+        mask = None
+        if pl or len_kv != len_q:  # query i sees the prompt and its own keys up to kv row len_kv - len_q + i
+            mask = torch.ones(len_q, pl + len_kv, dtype=torch.bool, device=device).tril(diagonal=pl + len_kv - len_q)
         if len(starts) == 1 and pl == 0:
-            plan.append(_Bucket(len_q, len_kv, first, None, None, None))
+            plan.append(_Bucket(len_q, len_kv, first, None, None, mask))
             continue
         st = torch.tensor(starts, device=device)
         rows_q = st[:, :1] + torch.arange(len_q, device=device)  # [n, L] token rows
         rows_kv = st[:, 1:2] + torch.arange(len_kv, device=device)
-        mask = None
         if pl:
             rows_kv = torch.cat([st[:, 2:] + torch.arange(pl, device=device), rows_kv], dim=1)
-            mask = torch.ones(len_q, pl + len_kv, dtype=torch.bool, device=device).tril(diagonal=pl)
         plan.append(_Bucket(len_q, pl + len_kv, first, rows_q, rows_kv, mask))
     params._slime_length_buckets = plan  # megatron's dataclass has no slots: a plain attribute
     return plan

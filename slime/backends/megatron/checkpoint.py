@@ -195,15 +195,24 @@ def _rng_object(ps: Any, data: Any) -> Any:
     )
 
 
+def _model_sharded_state_dict(trainer: Any) -> dict[str, Any]:
+    """The model's sharded state dict: the chunk's, or `model{i}` per virtual pipeline chunk. Sharded tensors
+    are keyed by global layer number, so a checkpoint loads under any TP/PP/VPP split."""
+    from slime.backends.megatron.hf_weights import unwrap_model
+
+    chunks = [unwrap_model(c) for c in trainer.chunks]
+    if len(chunks) == 1:
+        return chunks[0].sharded_state_dict()
+    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+
+
 def save_trainer_state(trainer: Any, path: str, rollout_id: int) -> None:
     """Write this rank's shard of the model, optimizer (unless `--no-save-optim`) and RNG state to `path`."""
     from megatron.core import dist_checkpointing
 
-    from slime.backends.megatron.hf_weights import unwrap_model
-
     args, ps = trainer.args, trainer.ps
     save_optim = not args.no_save_optim
-    model_sd = unwrap_model(trainer.model).sharded_state_dict()
+    model_sd = _model_sharded_state_dict(trainer)
     state: dict[str, Any] = {"model": model_sd, "rng_state": _rng_object(ps, _rng_state())}
     if save_optim:
         allocate_optimizer_state(trainer.optimizer)  # a save before the first step still describes the state
@@ -233,8 +242,7 @@ def load_trainer_state(trainer: Any, path: str) -> dict[str, Any]:
     args, ps = trainer.args, trainer.ps
     common = dist_checkpointing.load_common_state_dict(path)
     meta = common["slime"]
-    model = unwrap_model(trainer.model)
-    model_sd = model.sharded_state_dict()
+    model_sd = _model_sharded_state_dict(trainer)
     request: dict[str, Any] = {"model": model_sd}
     load_optim = meta["saved_optim"] and not args.no_load_optim
     if load_optim:
@@ -254,7 +262,12 @@ def load_trainer_state(trainer: Any, path: str) -> dict[str, Any]:
     if load_rng:
         request["rng_state"] = _rng_object(ps, None)
     state = dist_checkpointing.load(request, path)
-    model.load_state_dict(state["model"], strict=True)
+    chunks = [unwrap_model(c) for c in trainer.chunks]
+    if len(chunks) == 1:
+        chunks[0].load_state_dict(state["model"], strict=True)
+    else:
+        for i, chunk in enumerate(chunks):
+            chunk.load_state_dict(state["model"][f"model{i}"], strict=True)
     if load_optim:
         with torch.no_grad():  # the distributed optimizer copies into views of parameters that require grad
             trainer.optimizer.load_state_dict(state["optimizer"])

@@ -149,6 +149,7 @@ def transformer_config_kwargs(spec: HFModelSpec, args: Any) -> dict[str, Any]:
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
         context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=etp,

@@ -18,8 +18,9 @@ Megatron's own `cu_seqlens` in the `PackedSeqParams` is then one segment spannin
 `PackedBatch.cu_seqlens` keeps the row's true segment boundaries for readers.
 
 Padding (to a multiple of `pad_multiple`, e.g. tp size with sequence parallelism) is appended as one extra
-segment of `pad_token_id`: it attends only to itself and no sample attends to it. Context parallelism is
-not handled here (the SDPA core attention requires cp == 1).
+segment of `pad_token_id`: it attends only to itself and no sample attends to it. With context parallelism
+the row is padded to a multiple of 2·cp and each CP rank runs its zigzag chunks of it (`cp_rows`, set by
+context_parallel.py); `model_inputs()` gives the model those rows.
 
     packed = pack_samples(tokens, pad_multiple=tp, prompt_lengths=[t - r for t, r in zip(totals, responses)])
     logits = model(packed.tokens, packed.position_ids, None, packed_seq_params=packed.packed_seq_params)
@@ -53,6 +54,14 @@ class PackedBatch:
     # per sample (prefix_start, prefix_len, own_start, own_len): its tokens are the rows of the shared prompt
     # followed by its own rows; prefix_len is 0 for a sample packed whole
     layout: list[tuple[int, int, int, int]]
+    # context parallelism: the row indices this rank runs, in local order (context_parallel.shard_row_for_cp)
+    cp_rows: torch.Tensor | None = None
+
+    def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, position_ids) [1, T_local] the model runs on: the whole row, or this CP rank's rows."""
+        if self.cp_rows is None:
+            return self.tokens, self.position_ids
+        return self.tokens[:, self.cp_rows], self.position_ids[:, self.cp_rows]
 
     @property
     def total_len(self) -> int:
@@ -92,11 +101,14 @@ def pack_samples(
     pad_token_id: int = 0,
     device: torch.device | str | None = None,
     prompt_lengths: Sequence[int] | None = None,
+    pad_to: int | None = None,
 ) -> PackedBatch:
     """One THD row of the samples; with `prompt_lengths`, samples with an identical prompt share its rows.
 
     The row is assembled in Python lists and turned into tensors once: a micro-batch holds hundreds of
-    samples, and per-sample tensor ops would cost more than the packing itself.
+    samples, and per-sample tensor ops would cost more than the packing itself. `pad_to` pads the row to exactly
+    that many tokens (a multiple of `pad_multiple`): megatron's interleaved pipeline schedule needs one row
+    length for every micro-batch of a step.
     """
     if not samples:
         raise ValueError("cannot pack an empty micro-batch")
@@ -125,6 +137,10 @@ def pack_samples(
             layout[i] = (ps, p, emit(seqs[i][p:], p, (ps, p)), len(seqs[i]) - p)
     total = len(tokens)
     padded = -(-max(total, 1) // pad_multiple) * pad_multiple
+    if pad_to is not None:
+        if pad_to < padded or pad_to % pad_multiple:
+            raise ValueError(f"pad_to {pad_to} is below the row's {padded} tokens or not a multiple of {pad_multiple}")
+        padded = pad_to
     pad = padded - total
     emit([pad_token_id] * pad, 0, (0, 0))
     bounds = [start for start, _, _, _ in segments] + [padded]

@@ -10,6 +10,7 @@ and advances the LR schedule by b.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from argparse import Namespace
 from collections.abc import Iterator
@@ -19,18 +20,26 @@ from typing import Any
 import torch
 
 from slime.algorithms.advantages import compute_advantages_and_returns, distributed_masked_whiten, opd_inputs
-from slime.algorithms.logprobs import packed_response_logprobs_and_entropy
+from slime.algorithms.logprobs import packed_response_logprobs_and_entropy, score_rows
 from slime.algorithms.loss import loss_function
 from slime.algorithms.opd import apply_opd
 from slime.algorithms.ppo import ppo_advantages
 from slime.algorithms.reducers import reduce_train_metrics, scale_for_megatron
 from slime.backends.megatron.checkpoint import allocate_optimizer_state
+from slime.backends.megatron.context_parallel import (
+    gather_responses,
+    local_part,
+    local_response_rows,
+    shard_row_for_cp,
+    whole_sample_state,
+)
 from slime.backends.megatron.hf_config import read_hf_config
 from slime.backends.megatron.hf_weights import export_hf_weights, load_hf_weights, unwrap_model
 from slime.backends.megatron.initialize import init_distributed, init_megatron, run_custom_megatron_init
 from slime.backends.megatron.model_provider import build_gpt_model, mask_padded_vocab
 from slime.backends.megatron.offload import PhaseMemory, no_region
 from slime.backends.megatron.packing import PackedBatch, pack_samples
+from slime.backends.megatron.pipeline_runs import ModelChunks, current_device
 from slime.utils.misc import load_function
 
 logger = logging.getLogger(__name__)
@@ -38,11 +47,7 @@ logger = logging.getLogger(__name__)
 _EMPTY = object()  # marks a padding micro-batch (a rank with nothing to do in a step still joins the schedule)
 
 
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-class MegatronTrainer:
+class MegatronTrainer(ModelChunks):
     metric_prefix = "train/"
 
     def __init__(
@@ -76,17 +81,19 @@ class MegatronTrainer:
         if distributed_optimizer is None:
             distributed_optimizer = torch.cuda.is_available()
         with region("model"):  # the model and its DDP param/grad buffers
-            model = self._build_model()
-            config = model.config
-            self.model = DistributedDataParallel(
-                config=config,
-                ddp_config=DistributedDataParallelConfig(
-                    grad_reduce_in_fp32=True,
-                    overlap_grad_reduce=False,
-                    use_distributed_optimizer=distributed_optimizer,
-                ),
-                module=model,
+            models = self._build_models()
+            config = models[0].config
+            ddp_config = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
             )
+            # one DDP per model chunk (virtual pipeline stages: several), bucketed as megatron's get_model does
+            self.chunks = [
+                DistributedDataParallel(config=config, ddp_config=ddp_config, module=m, disable_bucketing=i > 0)
+                for i, m in enumerate(models)
+            ]
+            # the rank's model when it is one chunk (everything but virtual pipeline stages); None otherwise, so
+            # that code written for one chunk fails loudly instead of seeing part of the model
+            self.model = self.chunks[0] if len(self.chunks) == 1 else None
         with region("optimizer"):  # fp32 master params and Adam's moments
             self.optimizer = get_megatron_optimizer(
                 OptimizerConfig(
@@ -102,13 +109,17 @@ class MegatronTrainer:
                     params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
                     use_distributed_optimizer=distributed_optimizer,
                 ),
-                [self.model],
+                self.chunks,
             )
             if offloader is not None and offloader.enabled:
                 allocate_optimizer_state(self.optimizer)  # Adam's moments now (inside the region), not at step 1
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
-        config.variable_seq_lengths = True
+        # packed rows differ in length: megatron's p2p exchanges each micro-batch's shape first. Its interleaved
+        # (virtual pipeline) schedule does not pair those exchanges up, so there every row of a schedule run is
+        # padded to one length instead (`_run_schedule`).
+        config.variable_seq_lengths = len(self.chunks) == 1
+        self._pad_to: int | None = None
         # Megatron's scheduler counts samples; slime's "sample" is a group, so steps are multiplied by B.
         gbs = args.global_batch_size
         train_iters = max(1, args.num_rollout * args.rollout_batch_size * args.n_samples_per_prompt // gbs)
@@ -130,11 +141,16 @@ class MegatronTrainer:
         if (args.use_kl_loss or args.kl_coef) and not args.ref_model_name:
             # The reference policy: the initial weights (or --ref-load, an HF dir), kept on the host. With
             # --ref-model-name an SGLang model scores it on the rollout side and no copy is kept here.
-            self.ref_params = self._host_copy(model, args.ref_load)
+            self.ref_params = self._host_copy(models, args.ref_load)
         # --opd-type megatron: the teacher (same architecture) as a pinned host copy, swapped in for its forward
-        self.teacher_params = self._host_copy(model, args.opd_teacher_load) if args.opd_type == "megatron" else None
-        # --data-pad-size-multiplier (x TP with sequence parallel: megatron splits the row over TP ranks)
-        self.pad_multiple = args.data_pad_size_multiplier * (self.ps.size("tp") if args.sequence_parallel else 1)
+        self.teacher_params = self._host_copy(models, args.opd_teacher_load) if args.opd_type == "megatron" else None
+        # --data-pad-size-multiplier (x TP with sequence parallel: megatron splits the row over TP ranks; x 2·cp
+        # with context parallelism: each CP rank runs two equal chunks of the row, context_parallel.py)
+        cp = self.ps.size("cp")
+        sp = self.ps.size("tp") if args.sequence_parallel else 1
+        self.pad_multiple = args.data_pad_size_multiplier * sp
+        if cp > 1:
+            self.pad_multiple = math.lcm(args.data_pad_size_multiplier, 2 * cp * sp)
         self._hooks = {
             name: load_function(path)
             for name, path in (
@@ -147,17 +163,17 @@ class MegatronTrainer:
         self.weight_version = 0
         self.train_step_id = 0
 
-    def _host_copy(self, model: Any, hf_dir: str | None) -> dict[str, torch.Tensor]:
+    def _host_copy(self, models: list[Any], hf_dir: str | None) -> dict[str, torch.Tensor]:
         """This rank's shard of `hf_dir`'s weights (None: the current ones) on the host, pinned when CUDA is there
-        (55 GB/s copies back, docs/memory.md); the model keeps the actor's weights."""
+        (55 GB/s copies back, docs/memory.md); the model chunks keep the actor's weights."""
         if hf_dir:
-            load_hf_weights(model, hf_dir, self.spec, self.ps)
+            load_hf_weights(models, hf_dir, self.spec, self.ps)
         pin = torch.cuda.is_available()
-        out = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
+        out = {n: p.detach().to("cpu", copy=True) for n, p in self.named_parameters()}
         if pin:
             out = {n: t.pin_memory() for n, t in out.items()}
         if hf_dir:
-            load_hf_weights(model, self.args.hf_checkpoint, self.spec, self.ps)
+            load_hf_weights(models, self.args.hf_checkpoint, self.spec, self.ps)
         return out
 
     def _build_model(self) -> Any:
@@ -169,9 +185,11 @@ class MegatronTrainer:
         return model
 
     # ---- forward helpers ------------------------------------------------------------------------------------
-    def _forward_logits(self, mb: dict[str, Any]) -> tuple[torch.Tensor, PackedBatch]:
+    def _forward_logits(self, mb: dict[str, Any], model: Any = None) -> tuple[torch.Tensor, PackedBatch]:
         packed = self._pack(mb)
-        logits = self.model(packed.tokens, packed.position_ids, None, packed_seq_params=packed.packed_seq_params)
+        tokens, positions = packed.model_inputs()
+        model = model if model is not None else self.model
+        logits = model(tokens, positions, None, packed_seq_params=packed.packed_seq_params)
         return mask_padded_vocab(logits[0], self.spec.vocab_size, self.ps.rank("tp")), packed
 
     def _pack(self, mb: dict[str, Any]) -> PackedBatch:
@@ -180,13 +198,39 @@ class MegatronTrainer:
         prompts = None
         if self.args.share_prompt_prefix and mb["tokens"] and "response_lengths" in mb:
             prompts = [t - r for t, r in zip(mb["total_lengths"], mb["response_lengths"], strict=True)]
-        packed = pack_samples(tokens, pad_multiple=self.pad_multiple, device=_device(), prompt_lengths=prompts)
+        packed = pack_samples(
+            tokens,
+            pad_multiple=self.pad_multiple,
+            device=current_device(),
+            prompt_lengths=prompts,
+            pad_to=self._pad_to,
+        )
         if mb["tokens"] and "total_lengths" in mb and packed.lengths != list(mb["total_lengths"]):
             raise ValueError(f"micro-batch token counts {packed.lengths} differ from total_lengths")
+        if self.ps.size("cp") > 1:
+            shard_row_for_cp(packed, self.ps)
         return packed
 
-    def _logprobs(self, logits: torch.Tensor, mb: dict[str, Any], packed: PackedBatch, with_entropy: bool):
-        return packed_response_logprobs_and_entropy(
+    def _logprobs(
+        self, logits: torch.Tensor, mb: dict[str, Any], packed: PackedBatch, with_entropy: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]:
+        """(log-probs, entropies, picked) of the response tokens this rank scores. `picked` is None when they
+        are whole responses; with CP, each sample's response indices scored here (context_parallel.py)."""
+        if packed.cp_rows is not None:
+            pred, target_rows, picked = local_response_rows(packed, mb["response_lengths"])
+            lp, ent = score_rows(
+                logits,
+                pred,
+                packed.tokens.reshape(-1).index_select(0, target_rows),
+                [int(js.numel()) for js in picked],
+                self.ps,
+                temperature=self.args.rollout_temperature,
+                vocab_start=self.ps.rank("tp") * logits.size(-1),
+                with_entropy=with_entropy,
+                chunk_size=self.args.log_probs_chunk_size,
+            )
+            return lp, ent, picked
+        lp, ent = packed_response_logprobs_and_entropy(
             logits,
             packed.tokens,
             # the rows of each response and of the token before it: all the reader scores
@@ -198,6 +242,7 @@ class MegatronTrainer:
             with_entropy=with_entropy,
             chunk_size=self.args.log_probs_chunk_size,
         )
+        return lp, ent, None
 
     def _microbatches(self, data: dict[str, Any]) -> list[dict[str, Any]]:
         """Per-sample fields of each micro-batch, in schedule order (steps concatenated)."""
@@ -239,24 +284,30 @@ class MegatronTrainer:
     def _compute_logprobs(self, mbs: list[dict[str, Any]], key: str, store_prefix: str = "") -> None:
         """Fill `mb[key]` with per-sample response log-probs of the current weights (no grad)."""
         if "before_log_prob" in self._hooks:
-            self._hooks["before_log_prob"](self.args, [self.model], store_prefix)
-        self.model.eval()
+            self._hooks["before_log_prob"](self.args, self.chunks, store_prefix)
+        self._set_mode(False)
         for mb in mbs:
             mb[key] = [None] * len(mb["tokens"])
-        for batch, targets in self._logprob_batches(mbs):
-            if not batch["tokens"]:
-                continue
+        batches = [(b, t) for b, t in self._logprob_batches(mbs) if b["tokens"]]
+        if self.ps.size("pp") > 1:
+            self._pipelined_logprobs(batches, mbs, key)
+        for batch, targets in batches if self.ps.size("pp") == 1 else []:
             logits, packed = self._forward_logits(batch)
-            lp, _ = self._logprobs(logits.float(), batch, packed, with_entropy=False)
-            for (j, p), x in zip(targets, lp, strict=True):
+            for (j, p), x in zip(targets, self._batch_logprobs(logits, batch, packed), strict=True):
                 mbs[j][key][p] = x  # computed under no_grad: nothing to detach
-        self.model.train()
+        self._set_mode(True)
+
+    def _batch_logprobs(self, logits: torch.Tensor, batch: dict[str, Any], packed: PackedBatch) -> list[torch.Tensor]:
+        """Whole per-sample response log-probs of one batch's logits (under CP gathered back in sample order)."""
+        lp, _, picked = self._logprobs(logits.float(), batch, packed, with_entropy=False)
+        if picked is not None:  # CP: whole responses, in sample order, on every CP rank
+            lp = gather_responses(lp, picked, batch["response_lengths"], self.ps)
+        return lp
 
     @torch.no_grad()
     def _swap_params(self, source: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        module = unwrap_model(self.model)
         saved = {}
-        for n, p in module.named_parameters():
+        for n, p in self.named_parameters():
             saved[n] = p.detach().to("cpu", copy=True)
             p.copy_(source[n].to(p.device))
         return saved
@@ -278,7 +329,9 @@ class MegatronTrainer:
             if values is None:
                 raise ValueError("--advantage-estimator ppo: the actor needs the critic's values")
             for mb in mbs:
-                mb["values"] = [torch.tensor(values[i], dtype=torch.float32, device=_device()) for i in mb["indices"]]
+                mb["values"] = [
+                    torch.tensor(values[i], dtype=torch.float32, device=current_device()) for i in mb["indices"]
+                ]
         # sft_loss reads only the live forward's log-probs, so the old-policy pass would be a wasted forward.
         needs_old = args.loss_type != "sft_loss"
         recompute = needs_old and (not args.use_rollout_logprobs or args.get_mismatch_metrics)
@@ -287,7 +340,7 @@ class MegatronTrainer:
         elif needs_old and "rollout_log_probs" in data:
             for mb in mbs:
                 mb["log_probs"] = [
-                    torch.tensor(x, dtype=torch.float32, device=_device()) for x in mb["rollout_log_probs"]
+                    torch.tensor(x, dtype=torch.float32, device=current_device()) for x in mb["rollout_log_probs"]
                 ]
         for key, params, prefix in (("ref_log_probs", self.ref_params, "ref_"),
                                     ("teacher_log_probs", self.teacher_params, "teacher_")):  # fmt: skip
@@ -320,9 +373,7 @@ class MegatronTrainer:
             and (rollout_id + 1) % args.ref_update_interval == 0
         ):
             # --ref-update-interval: the reference policy becomes the current actor
-            self.ref_params = {
-                n: p.detach().to("cpu", copy=True) for n, p in unwrap_model(self.model).named_parameters()
-            }
+            self.ref_params = {n: p.detach().to("cpu", copy=True) for n, p in self.named_parameters()}
         return metrics
 
     def _run_steps(self, rollout_id: int, data: dict[str, Any], mbs: list[dict[str, Any]]) -> dict[str, float]:
@@ -336,7 +387,7 @@ class MegatronTrainer:
             b = data["global_batch_sizes"][step]
             if "before_train_step" in self._hooks:
                 self._hooks["before_train_step"](
-                    self.args, rollout_id, step, [self.model], self.optimizer, self.scheduler
+                    self.args, rollout_id, step, self.chunks, self.optimizer, self.scheduler
                 )
             step_metrics = self._optimizer_step(step_mbs, b)
             num_tokens += sum(sum(mb["total_lengths"]) for mb in step_mbs)
@@ -350,7 +401,7 @@ class MegatronTrainer:
 
     def _max_rollout_logprob_diff(self, mbs: list[dict[str, Any]]) -> float:
         """max |ℓ_recomputed − ℓ_engine| over loss-masked response tokens of every rank (0 when there are none)."""
-        m = torch.zeros((), dtype=torch.float64, device=_device())
+        m = torch.zeros((), dtype=torch.float64, device=current_device())
         for mb in mbs:
             if len(mb.get("log_probs", [])) != len(mb["rollout_log_probs"]):
                 raise ValueError("recomputed and rollout log-probs cover different samples")
@@ -365,7 +416,7 @@ class MegatronTrainer:
 
     def _prepare_batch(self, mb: dict[str, Any]) -> None:
         """Turn one micro-batch's lists into the tensors `loss_function` expects (CP=1: responses whole)."""
-        dev = _device()
+        dev = current_device()
         mb["loss_masks"] = [torch.tensor(m, dtype=torch.float32, device=dev) for m in mb["loss_masks"]]
         for key in ("rollout_log_probs", "teacher_log_probs", "ref_log_probs"):  # lists from the rollout side
             if key in mb:
@@ -383,7 +434,8 @@ class MegatronTrainer:
         if not mb["tokens"]:
             mb["advantages"] = mb["returns"] = []
         elif not self.args.disable_compute_advantages_and_returns and not ppo_builtin:
-            compute_advantages_and_returns(self.args, batch, self.ps)
+            # whole samples here, also under CP (the CP ranks of a DP rank hold the same ones)
+            compute_advantages_and_returns(self.args, batch, whole_sample_state(self.ps))
             mb["advantages"], mb["returns"] = batch["advantages"], batch["returns"]
 
     def _rank_advantages(self, mbs: list[dict[str, Any]], data: dict[str, Any], kl_coef: float | None = None) -> None:
@@ -441,7 +493,6 @@ class MegatronTrainer:
                     mb[key] = [view[key][i] for i in mb["indices"]]
 
     def _optimizer_step(self, step_mbs: list[dict[str, Any]], global_batch_size: int) -> dict[str, float]:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
 
         args = self.args
         per_token = args.calculate_per_token_loss
@@ -474,21 +525,14 @@ class MegatronTrainer:
         def forward_step(it: Iterator[dict[str, Any]], model: Any):
             nonlocal packed_rows
             mb = next(it)
-            logits, packed = self._forward(mb)
+            logits, packed = self._stage_forward(mb, model)
             packed_rows += packed.total_len - packed.pad if mb["tokens"] else 0
             return logits, partial(loss_func, mb, packed)
 
-        self.model.zero_grad_buffer()
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(step_mbs),
-            model=[self.model],
-            num_microbatches=n_mb,
-            seq_length=max((max(mb["total_lengths"], default=1) for mb in step_mbs), default=1),
-            micro_batch_size=1,
-            forward_only=False,
-        )
+        self._run_schedule(forward_step, step_mbs, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=global_batch_size)
         self.train_step_id += 1
@@ -503,6 +547,7 @@ class MegatronTrainer:
         metrics = reduce_train_metrics(
             sums, self.ps, global_batch_size=global_batch_size, per_token=per_token, local_num_tokens=local_tokens
         )
+        metrics = self._from_last_stage(metrics)  # losses and metrics live on the last pipeline stage
         pre = self.metric_prefix
         out = {f"{pre}{k}": v for k, v in metrics.items()}
         out[f"{pre}grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
@@ -525,8 +570,21 @@ class MegatronTrainer:
                 "no advantages: with --disable-compute-advantages-and-returns a --rollout-data-postprocess-path "
                 "hook must set rollout_data['advantages']"
             )
-        lp, ent = self._logprobs(logits.float(), mb, packed, with_entropy=True)
+        lp, ent, picked = self._logprobs(logits.float(), mb, packed, with_entropy=True)
+        if picked is not None:  # CP: the loss sees this rank's tokens of every per-token input
+            mb = {**mb, **{k: local_part(mb[k], picked) for k in self.RESPONSE_KEYS if k in mb}}
         return loss_function(self.args, mb, lp, ent, self.ps, logits=logits)
+
+    # per-response-token inputs of the loss, whole per sample until the loss takes this rank's part (CP)
+    RESPONSE_KEYS = (
+        "loss_masks",
+        "advantages",
+        "returns",
+        "log_probs",
+        "ref_log_probs",
+        "rollout_log_probs",
+        "values",
+    )
 
     # ---- weights --------------------------------------------------------------------------------------------
     def is_weight_sender(self) -> bool:
@@ -544,7 +602,7 @@ class MegatronTrainer:
             for name, t in iter_hf_tensors(named, self.spec, self.ps, layer_offset(self.model)):
                 yield name, t.to(dtype) if dtype is not None else t
             return
-        yield from export_hf_weights([self.model], self.spec, self.ps, dtype=dtype)
+        yield from export_hf_weights(self.chunks, self.spec, self.ps, dtype=dtype)
 
     def save_hf(self, path: str) -> None:
         """`--save-hf`: an HF checkpoint `transformers` loads (config + tokenizer copied from --hf-checkpoint).
