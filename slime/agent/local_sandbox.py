@@ -143,7 +143,13 @@ class LocalSandbox:
         try:
             if self._relay_wanted():
                 sock = self.root / "gw.sock"
-                self._relay = await asyncio.start_unix_server(self._relay_one, path=str(sock))
+                # AF_UNIX paths stop at 107 bytes and a sandbox dir can be deeper: bind through a directory fd
+                dir_fd = os.open(self.root, os.O_PATH | os.O_DIRECTORY)
+                try:
+                    short = f"/proc/self/fd/{dir_fd}/gw.sock" if len(str(sock).encode()) > 100 else str(sock)
+                    self._relay = await asyncio.start_unix_server(self._relay_one, path=short)
+                finally:
+                    os.close(dir_fd)
                 if self.uid is not None:  # the in-sandbox end may run as the sandbox uid (containers)
                     os.chown(sock, self.uid, self.uid)
         except BaseException:

@@ -90,6 +90,10 @@ def _pipe(src: socket.socket, dst: socket.socket) -> None:
 
 
 def _serve_relay(listener: socket.socket, unix_path: str) -> None:
+    # AF_UNIX paths stop at 107 bytes; a deep sandbox dir is reached through a directory fd instead
+    if len(unix_path.encode()) > 100:
+        dir_fd = os.open(os.path.dirname(unix_path), os.O_PATH | os.O_DIRECTORY)
+        unix_path = f"/proc/self/fd/{dir_fd}/{os.path.basename(unix_path)}"
     while True:
         conn, _ = listener.accept()
         up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -115,6 +115,24 @@ def test_nothing_lands_outside_and_nothing_survives(tmp_path: Path) -> None:
     assert not root.exists()
 
 
+def test_gateway_reached_from_a_deep_sandbox_dir(tmp_path: Path, http_server: int) -> None:
+    """A sandbox dir deeper than an AF_UNIX path allows (107 bytes; seen under pytest-xdist's tmp dirs): the relay
+    socket is bound and reached through a directory fd."""
+    need_isolation()
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    get = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())"
+
+    async def episode() -> str:
+        async with LocalSandbox(
+            EXAMPLE / "tasks" / "clamp-high", ("127.0.0.1", http_server), base_dir=str(deep)
+        ) as sb:
+            assert len(str(sb.root / "gw.sock").encode()) > 107
+            return (await sb.exec(["python3", "-c", get, f"http://127.0.0.1:{http_server}/"], {}, 30)).stdout
+
+    assert run(episode()).strip() == "hello-from-gateway"
+
+
 def test_network_is_the_gateway_only(tmp_path: Path, http_server: int) -> None:
     need_isolation()
     other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
