@@ -249,7 +249,10 @@ class LocalSandbox:
         return spec
 
     def command(self, cmd: list[str]) -> list[str]:
-        return [sys.executable, "-I", "-S", str(INIT), json.dumps(self.spec()), "--", *cmd]
+        spec = self.spec()
+        if cmd and os.path.isabs(cmd[0]):  # an installed CLI (e.g. .agent-clis in a checkout under /tmp) stays visible
+            spec["keep"] = [os.path.dirname(os.path.realpath(cmd[0]))]
+        return [sys.executable, "-I", "-S", str(INIT), json.dumps(spec), "--", *cmd]
 
     async def exec(
         self, cmd: list[str], env: dict[str, str], timeout_s: float, *, stdin: bytes | None = None

@@ -53,17 +53,20 @@ def _mount(src: str | None, target: str, fstype: str | None, flags: int, data: s
     _check(_libc.mount(enc[0], enc[1], enc[2], flags, enc[3]), f"mount {target}")
 
 
-def enter_namespaces(root: str, net: bool) -> None:
-    """New mount (and network) namespace; tmpfs over the world-writable dirs; `root` bound back in."""
+def enter_namespaces(root: str, net: bool, keep: list[str] | None = None) -> None:
+    """New mount (and network) namespace; tmpfs over the world-writable dirs; `root` bound back in, and each
+    directory of `keep` that a tmpfs would hide (the command's own install dir, e.g. a checkout under /tmp)."""
     _check(_libc.unshare(CLONE_NEWNS | (CLONE_NEWNET if net else 0)), "unshare")
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount leaks back to the host
-    keep = os.open(root, os.O_PATH)
-    for d in HIDDEN_DIRS:
-        if os.path.isdir(d) and not os.path.islink(d):
-            _mount("tmpfs", d, "tmpfs", 0, "mode=1777,size=256m")
-    os.makedirs(root, exist_ok=True)  # inside the fresh tmpfs when root lived under a hidden dir
-    _mount(f"/proc/self/fd/{keep}", root, None, MS_BIND | MS_REC)
-    os.close(keep)
+    hidden = [d for d in HIDDEN_DIRS if os.path.isdir(d) and not os.path.islink(d)]
+    back = [root] + [k for k in keep or () if os.path.isdir(k) and any(k.startswith(d + "/") for d in hidden)]
+    fds = {path: os.open(path, os.O_PATH) for path in sorted(set(back), key=len)}  # outer dirs first
+    for d in hidden:
+        _mount("tmpfs", d, "tmpfs", 0, "mode=1777,size=256m")
+    for path, fd in fds.items():
+        os.makedirs(path, exist_ok=True)  # inside the fresh tmpfs when it lived under a hidden dir
+        _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+        os.close(fd)
     if net:
         _loopback_up()
 
@@ -137,7 +140,7 @@ def main(argv: list[str]) -> int:
     cmd = argv[2:] if argv[1:2] == ["--"] else argv[1:]
     listener = None
     if spec.get("isolate"):
-        enter_namespaces(spec["root"], net=True)
+        enter_namespaces(spec["root"], net=True, keep=spec.get("keep"))
     relay = spec.get("relay")  # also without `isolate`: a container brings its own loopback-only namespace
     if relay:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -133,6 +133,30 @@ def test_gateway_reached_from_a_deep_sandbox_dir(tmp_path: Path, http_server: in
     assert run(episode()).strip() == "hello-from-gateway"
 
 
+def test_a_command_installed_under_tmp_stays_visible(tmp_path: Path) -> None:
+    """CI's checkout (and so `.agent-clis`) may live under /tmp, which the sandbox covers with a fresh tmpfs: the
+    command's own directory is bound back in (seen: Claude Code vanished inside the sandbox of a /tmp clone)."""
+    need_isolation()
+    tool_dir = tmp_path / "prefix" / "bin"
+    tool_dir.mkdir(parents=True)
+    tool = tool_dir / "hello-tool"
+    tool.write_text("#!/bin/sh\necho tool-ran\n")
+    tool.chmod(0o755)
+    (tmp_path / "prefix" / "secret.txt").write_text("not for the agent")
+    for d in (tmp_path, tmp_path.parent, tmp_path.parent.parent, tmp_path / "prefix", tool_dir):
+        d.chmod(d.stat().st_mode | 0o011)  # pytest's own dirs are 0700: the sandbox uid must traverse them
+
+    async def episode() -> tuple[str, int]:
+        async with LocalSandbox(EXAMPLE / "tasks" / "clamp-high", None, base_dir=str(tmp_path)) as sb:
+            ran = await sb.exec([str(tool)], {}, 30)
+            # only the tool's own directory came back, not its neighbours
+            leaked = await sb.exec(["cat", str(tmp_path / "prefix" / "secret.txt")], {}, 30)
+            return ran.stdout, leaked.returncode
+
+    out, cat_rc = run(episode())
+    assert out.strip() == "tool-ran" and cat_rc != 0
+
+
 def test_network_is_the_gateway_only(tmp_path: Path, http_server: int) -> None:
     need_isolation()
     other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
