@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -190,17 +189,11 @@ def toy(tmp_path_factory) -> Path:
 
 
 def _slime_train(argv: list[str], out: Path, timeout: float = 480) -> list[dict]:
-    """Run `slime train`; returns the metrics records. Its whole process group is killed on the way out."""
-    cmd = [sys.executable, "-m", "slime.cli", "train", *argv, "--metrics-dir", str(out), "--no-use-tensorboard"]
+    """Run `slime train`; returns the metrics records."""
+    from sim.slime_run import run_slime_train
+
     log_path = out.parent / f"{out.name}.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    rc = run_slime_train([*argv, "--metrics-dir", str(out), "--no-use-tensorboard"], log_path, timeout)
     assert rc == 0, log_path.read_text()[-6000:]
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
