@@ -3,11 +3,11 @@ whole process group on the way out (a timed-out or interrupted run must not leav
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from slime.utils.process import die_with_parent, stop_popen
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,11 +17,10 @@ def run_slime_train(argv: list[str], log_path: Path, timeout: float, env: dict[s
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "slime.cli", "train", *argv],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
         )  # fmt: skip
         try:
             return proc.wait(timeout=timeout)
         finally:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                stop_popen(proc)
