@@ -11,9 +11,7 @@ What each mode does, its flags and its metrics: docs/async.md.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
 import time
 from argparse import Namespace
 from typing import Any
@@ -122,30 +120,34 @@ class RayLoopBackend:
         self.bar.update(1, detail=step_line({**self._rollout_metrics, **metrics}, self.last_eval))
 
 
-def train_async(args: Namespace) -> dict:
-    """Run a one-step-ahead or fully-async job (flags already validated); returns the summary as `train` does."""
+def train_async(args: Namespace, startup: dict[str, float], t_start: float) -> dict:
+    """Run a one-step-ahead or fully-async job (flags already validated, Ray started by `train`); returns the
+    summary as `train` does."""
     import ray
 
     from slime.backends.megatron import checkpoint
-    from slime.ray.placement import create_placement_group, init_ray
+    from slime.ray.placement import create_placement_group
     from slime.ray.rollout_manager import RolloutManager
+    from slime.ray.run_start import report_startup, servers_and_trainer
     from slime.ray.train_actor import RayTrainGroup
     from slime.utils.tracking import Tracker, progress, step_line
 
-    init_ray(args)
     manager = None
     tracker = Tracker(args)
     summary: dict = {"hashes": {}, "metrics": {}, "server_info": None, "train_status": None, "events": []}
     try:
         placement = create_placement_group(args)
         manager = ray.remote(RolloutManager).options(num_cpus=0.1, num_gpus=0).remote(args, placement)
-        summary["server_info"] = ray.get(manager.server_info.remote())
-        os.makedirs(args.metrics_dir, exist_ok=True)
-        with open(os.path.join(args.metrics_dir, "servers.json"), "w") as f:
-            json.dump(summary["server_info"], f)
         resume = checkpoint.find_checkpoint(args.load)
-        actors = RayTrainGroup(args, placement)
-        start = actors.init(resume[1] if resume else None)
+
+        def build_trainer() -> tuple[RayTrainGroup, int]:
+            group = RayTrainGroup(args, placement)
+            return group, group.init(resume[1] if resume else None)
+
+        summary["server_info"], (actors, start), timings = servers_and_trainer(
+            args, manager, build_trainer, offload_rollout=False
+        )
+        startup.update(timings)
         if resume is not None:
             ray.get(manager.load.remote(*resume))  # data source, buffers, in-flight groups, pending rollout
             summary["resumed_from"] = resume[0]
@@ -153,6 +155,7 @@ def train_async(args: Namespace) -> dict:
                 start = resume[0] + 1
         ray.get(manager.set_train_parallel_config.remote(actors.parallel_config()))
         summary["train_status"] = actors.status()
+        summary["startup"] = report_startup(tracker, startup, t_start, start)
         plan = LoopPlan.from_args(args, start)
         with progress(args.num_rollout, "rollout", start=start) as bar:
             backend = RayLoopBackend(args, manager, actors, tracker, summary, bar)

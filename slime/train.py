@@ -6,7 +6,6 @@ The driver never touches a GPU. Everything that can be wrong with the user's inp
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -55,25 +54,31 @@ def _should_save(args: Namespace, rollout_id: int) -> bool:
 
 def train(args: Namespace) -> dict:
     """Run the whole job; returns a summary (per-rollout train hashes, server info) for scripts and tests."""
+    from slime.ray.placement import init_ray
+
+    t_start = time.perf_counter()
     num_prompts = preflight(args)
     args.num_rollout = resolve_num_rollout(args, num_prompts)
+    startup = {"startup/preflight": time.perf_counter() - t_start}  # where the fixed cost of a run goes
+    init_ray(args)
+    startup["startup/ray_init"] = time.perf_counter() - t_start - startup["startup/preflight"]
     if args.fully_async or args.one_step_ahead:  # generation overlaps training: slime/async_train.py
         from slime.async_train import train_async
 
-        return train_async(args)
+        return train_async(args, startup, t_start)
 
     import ray
 
     from slime.backends.megatron import checkpoint
     from slime.backends.megatron.roles import role_args
-    from slime.ray.placement import create_placement_group, init_ray
+    from slime.ray.placement import create_placement_group
     from slime.ray.rollout_manager import RolloutManager
     from slime.ray.run_end import shut_down, write_summary
+    from slime.ray.run_start import report_startup, servers_and_trainer
     from slime.ray.train_actor import TrainModels
     from slime.utils.tracking import STEP_PHASES, Tracker, progress, step_line
 
     actor_args = role_args(args, "actor")  # the actor's checkpoint dirs (--megatron-config may override them)
-    init_ray(args)
     manager = None
     tracker = Tracker(args)
     summary: dict = {"hashes": {}, "metrics": {}, "server_info": None, "train_status": None}
@@ -81,15 +86,16 @@ def train(args: Namespace) -> dict:
         placement = create_placement_group(args)
         offload_rollout = args.offload_rollout and not (args.debug_train_only or args.debug_rollout_only)
         manager = ray.remote(RolloutManager).options(num_cpus=0.1, num_gpus=0).remote(args, placement)
-        summary["server_info"] = ray.get(manager.server_info.remote())
-        os.makedirs(args.metrics_dir, exist_ok=True)
-        with open(os.path.join(args.metrics_dir, "servers.json"), "w") as f:
-            json.dump(summary["server_info"], f)  # lets operators (and tests) find the processes while running
-        if offload_rollout:
-            ray.get(manager.offload.remote())  # the trainer builds its model on the engines' GPUs next
         resume = checkpoint.find_checkpoint(actor_args.load)
-        actors = TrainModels(args, placement)  # the actor, and PPO's critic on the same GPUs
-        start = actors.init(resume)
+
+        def build_trainer() -> tuple[TrainModels, int]:
+            models = TrainModels(args, placement)  # the actor, and PPO's critic on the same GPUs
+            return models, models.init(resume)
+
+        summary["server_info"], (actors, start), timings = servers_and_trainer(
+            args, manager, build_trainer, offload_rollout=offload_rollout
+        )
+        startup.update(timings)
         if resume is not None:
             ray.get(manager.load.remote(*resume))  # data source, its buffer, carried-over groups
             summary["resumed_from"] = resume[0]
@@ -138,7 +144,10 @@ def train(args: Namespace) -> dict:
             return time.perf_counter() - t0
 
         if sync_weights:
+            t0 = time.perf_counter()
             sync_and_onload(start)  # engines serve exactly the trainer's weights from the first rollout on
+            startup["startup/first_weight_sync"] = time.perf_counter() - t0
+        summary["startup"] = report_startup(tracker, startup, t_start, start)
         with progress(args.num_rollout, "rollout", start=start) as bar:
             for rollout_id in range(start, args.num_rollout):
                 t_step = time.perf_counter()

@@ -13,6 +13,7 @@ import os
 import random
 import time
 from argparse import Namespace
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -48,28 +49,35 @@ class RolloutManager:
         self.parallel_config: dict[str, int] = {"dp_size": 1, "cp_size": 1}
         self.servers = None
         self.data_source = None
-        if not args.load_debug_rollout_data:
-            self.data_source = load_function(args.data_source_path)(args)
-        self.rollout_fn = load_function(args.rollout_function_path)
-        self.eval_fn = load_function(args.eval_function_path)
         # rollouts generated but not yet turned into train data: {rollout id: (samples, metrics, seconds)}
         self._pending: dict[int, tuple[list[Sample], dict[str, float], float]] = {}
         self.fully_async = None
         if not args.debug_train_only:
-            self._start_servers()
+            self._start_servers(then=self._load_rollout_code)  # engines load while the data source does
+        else:
+            self._load_rollout_code()
         if args.fully_async:
             from slime.rollout.fully_async import FullyAsyncRollout
 
             self.fully_async = FullyAsyncRollout(args, self.data_source)
 
     # ---- servers ---------------------------------------------------------------------------------------------
-    def _start_servers(self) -> None:
-        """Every model's router and engine groups, from the deployment plan (slime/ray/rollout_servers.py)."""
+    def _load_rollout_code(self) -> None:
+        if not self.args.load_debug_rollout_data:
+            self.data_source = load_function(self.args.data_source_path)(self.args)
+        self.rollout_fn = load_function(self.args.rollout_function_path)
+        self.eval_fn = load_function(self.args.eval_function_path)
+
+    def _start_servers(self, then: Callable[[], None]) -> None:
+        """Every model's router and engine groups, from the deployment plan (slime/ray/rollout_servers.py);
+        `then()` runs while the engines load their weights."""
         from slime.ray.rollout_servers import RolloutServers
 
         self.servers = RolloutServers(self.args, self.placement, os.path.join(self.args.metrics_dir, "servers"))
         try:
-            self.servers.start()
+            self.servers.launch()
+            then()
+            self.servers.finish_start()
         except BaseException:
             self.servers.dispose()
             raise

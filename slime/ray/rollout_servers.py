@@ -94,14 +94,25 @@ class RolloutServers:
         self._monitor_paused = threading.Event()
         self._monitor: threading.Thread | None = None
         self.removed_urls: list[str] = []
+        self._starting: list[list[Any]] = []  # engine start refs between `launch` and `finish_start`
 
     # ---- start-up -----------------------------------------------------------------------------------------
     def start(self) -> None:
-        args = self.args
+        self.launch()
+        self.finish_start()
+
+    def launch(self) -> None:
+        """Create and start every engine without waiting for it (`finish_start` waits): the caller can do its
+        own start-up work while the engines load their weights."""
         os.makedirs(self.log_dir, exist_ok=True)
         for slot in self.slots:
             self._create(slot)
-        starting = self._launch(self.slots)  # engines load their weights while the routers come up
+        self._starting = self._launch(self.slots)
+
+    def finish_start(self) -> None:
+        """Routers up (while the engines load), engines registered with them, the health monitor started."""
+        args = self.args
+        starting, self._starting = self._starting, []
         for rp in self.plan.routers:
             if rp.reuse_user_router:
                 self.routers[rp.model] = None
@@ -329,13 +340,15 @@ class RolloutServers:
         self._stop.set()
         if self._monitor is not None:
             self._monitor.join(timeout=float(self.args.rollout_health_check_timeout) + 5)
+        # every engine stops at once (each waits out its own grace period), then its actor goes
+        stopping = [(s, actor, actor.shutdown.remote()) for s in self.slots for actor in s.actors]
+        for s, actor, ref in stopping:
+            try:
+                ray.get(ref, timeout=30)
+            except Exception:  # noqa: BLE001 - best effort: the engine may already be gone
+                logger.warning("engine %d shutdown failed", s.plan.rank, exc_info=True)
+            ray.kill(actor, no_restart=True)
         for s in self.slots:
-            for actor in s.actors:
-                try:
-                    ray.get(actor.shutdown.remote(), timeout=30)
-                except Exception:  # noqa: BLE001 - best effort: the engine may already be gone
-                    logger.warning("engine %d shutdown failed", s.plan.rank, exc_info=True)
-                ray.kill(actor, no_restart=True)
             s.handle, s.followers, s.alive = None, [], False
         for router in self.routers.values():
             if router is not None:

@@ -20,7 +20,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("rollout", "train", "eval")
+KINDS = ("rollout", "train", "eval", "startup")
 
 
 def _to_plain(value: Any) -> Any:
@@ -177,6 +177,12 @@ def step_line(metrics: dict[str, Any], eval_metrics: dict[str, Any] | None = Non
         phases = " ".join(f"{name} {metrics[k]:.1f}" for k, name in PHASES if metrics.get(k) is not None)
         parts.append(f"{step:.1f}s [{phases}]" if phases else f"{step:.1f}s")
     return " | ".join(parts)
+
+
+def startup_line(startup: dict[str, float]) -> str:
+    """'41.2s (ray_init 3.1s, rollout_servers 17.0s, ...)': the start-up cost of a run, phase by phase."""
+    phases = ", ".join(f"{k.split('/', 1)[1]} {v:.1f}s" for k, v in startup.items() if k != "startup/total")
+    return f"{startup.get('startup/total', 0.0):.1f}s ({phases})"
 
 
 class Progress:

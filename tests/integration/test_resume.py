@@ -57,7 +57,14 @@ def job_flags(assets: Path, run: Path, ckpt: Path) -> list[str]:
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL the driver's whole tree (Ray daemons included), then wait until every process is gone."""
+    """SIGKILL the driver's whole tree (Ray daemons included), then wait until every process is gone.
+
+    The driver's group is stopped first, in one call: the driver renames the finished save, so it cannot
+    complete a save while its tree is collected (that took long enough under load to miss the window)."""
+    try:
+        os.killpg(proc.pid, signal.SIGSTOP)
+    except ProcessLookupError:
+        pass
     try:
         procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
     except psutil.NoSuchProcess:
