@@ -32,14 +32,14 @@ def _setup(legacy: bool):
     model = _Model()
     opt = torch.optim.Adam(model.parameters())
     for p in model.parameters():
-        opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.randn_like(p), "exp_avg_sq": torch.rand_like(p)}
     off = TrainOffloader(enabled=True, legacy=legacy)
     off.attach(model, opt)
-    return model, off
+    return model, off, opt
 
 
 def test_disabled_offloader_does_nothing():
-    model, _ = _setup(False)
+    model, _, _ = _setup(False)
     off = TrainOffloader(enabled=False)
     off.attach(model, torch.optim.Adam(model.parameters()))
     with off.region("model"):
@@ -51,9 +51,11 @@ def test_disabled_offloader_does_nothing():
 
 
 def test_default_policy_releases_params_and_grads_and_restores_from_the_host_copy():
-    model, off = _setup(legacy=False)
+    model, off, opt = _setup(legacy=False)
     assert off.backend == "cpu"  # no CUDA here: torch_memory_saver is never used
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt_state = opt.state
+    opt_before = {id(st): {k: v.clone() for k, v in st.items()} for st in opt_state.values()}
     model.a.main_grad.fill_(3.0)
     off.sleep()
     off.sleep()  # a second sleep is a no-op (the driver may ask twice)
@@ -64,11 +66,14 @@ def test_default_policy_releases_params_and_grads_and_restores_from_the_host_cop
     # asleep, the host holds the weights once (4 B/param in fp32) and the optimizer state (the backup)
     assert off.ledger.host == {"params": 0, "grads": 0, "optimizer": 80, "weights_copy": 40}
     assert off.ledger.device == {"params": 0, "grads": 0, "optimizer": 0, "weights_copy": 0}
+    # the optimizer state really left its storages (copied to the host buffers first)
+    assert all(v.untyped_storage().nbytes() == 0 for st in opt_state.values() for k, v in st.items() if k != "step")
     off.note("update_weights")
     off.wake_up()
     off.wake_up()
     assert off.calls[4:] == ["resume:optimizer", "restore_params", "zero_grads"]
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert all(torch.equal(v, opt_before[id(st)][k]) for st in opt_state.values() for k, v in st.items())
     assert torch.equal(model.a.main_grad, torch.zeros(3, 2))  # grads come back zeroed: no copy was kept
     assert off.ledger.host["weights_copy"] == 40  # the pinned copy is made once and kept for the next sleeps
     assert [name for _, name in off.events] == ["sleep", "update_weights", "wake_up"]
@@ -78,7 +83,7 @@ def test_default_policy_releases_params_and_grads_and_restores_from_the_host_cop
 
 
 def test_legacy_policy_books_everything_plus_one_more_copy():
-    model, off = _setup(legacy=True)
+    model, off, _ = _setup(legacy=True)
     with torch.no_grad():
         model.b.add_(1.0)
     off.sleep()
@@ -93,7 +98,7 @@ def test_legacy_policy_books_everything_plus_one_more_copy():
 def test_saving_is_param_bytes_plus_fp32_grad_per_param():
     host = {}
     for legacy in (False, True):
-        _, off = _setup(legacy)
+        _, off, _ = _setup(legacy)
         off.sleep()
         host[legacy] = off.ledger.totals()["host"]
     numel = 10

@@ -1,6 +1,7 @@
-"""`--offload-train` with torch_memory_saver on a GPU, both policies (offload.py): a trainer built with the
-offloader frees its device memory on `sleep`, weight sync reads the host copy while asleep, and `wake_up` brings
-the exact parameters back so training continues.
+"""`--offload-train` on a GPU, both policies (offload.py: the default's pinned buffers, the legacy policy's
+torch_memory_saver region): a trainer built with the offloader frees its device memory on `sleep`, weight sync
+reads the host copy while asleep, and `wake_up` brings the exact parameters and optimizer state back so training
+continues.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -36,7 +38,7 @@ def _worker(rank: int, ckpt: str, out: str, port: int, legacy: bool) -> None:
     ])  # fmt: skip
     assert args.offload_train and args.update_weight_mode == "tensor"
     off = TrainOffloader(args.offload_train, legacy=legacy)
-    assert off.backend == "torch_memory_saver"
+    assert off.backend == ("torch_memory_saver" if legacy else "pinned")
     trainer = MegatronTrainer(args, 0, 1, "127.0.0.1", port, offloader=off)  # as TrainRayActor.init does
     off.attach(trainer.model, trainer.optimizer)
     rng = random.Random(0)
@@ -52,7 +54,13 @@ def _worker(rank: int, ckpt: str, out: str, port: int, legacy: bool) -> None:
     torch.cuda.synchronize()
     free_awake = torch.cuda.mem_get_info()[0]
     res["device_bytes"] = off.param_bytes + off.grad_bytes + off.optimizer_bytes
+    inner = getattr(trainer.optimizer, "chained_optimizers", None) or [trainer.optimizer]
+    opt_state = [v for o in inner for st in getattr(o, "optimizer", o).state.values() for v in st.values()
+                 if torch.is_tensor(v) and v.dim()]  # fmt: skip
+    opt_before = [v.clone() for v in opt_state]
+    t0 = time.perf_counter()
     off.sleep()
+    res["sleep_s"] = time.perf_counter() - t0
     free_asleep = torch.cuda.mem_get_info()[0]
     res["host_asleep"] = sum(off.ledger.host.values())
     from slime.backends.megatron.memory import MemoryConfig, ModelShape, build_memory_plan
@@ -61,7 +69,12 @@ def _worker(rank: int, ckpt: str, out: str, port: int, legacy: bool) -> None:
                        policy="legacy" if legacy else "v0.3.0")  # fmt: skip
     res["plan_host_asleep"] = build_memory_plan(cfg).stages[0].phase("rollout").host_total
     exported_asleep = {n: t.cpu().clone() for n, t in trainer.export_hf()}
+    t0 = time.perf_counter()
     off.wake_up()
+    res["wake_s"] = time.perf_counter() - t0
+    res["optimizer_restored"] = bool(opt_state) and all(
+        torch.equal(a, b) for a, b in zip(opt_before, opt_state, strict=True)
+    )
     res["freed_mib"] = (free_asleep - free_awake) / 2**20
     res["export_equal"] = all(torch.equal(exported_awake[n], exported_asleep[n]) for n in exported_awake)
     res["params_restored"] = all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
@@ -82,7 +95,7 @@ def test_sleep_frees_memory_and_wake_restores(tmp_path, legacy):
     r = json.loads(out.read_text())
     assert r["train0"] == 1.0 and r["train1"] == 1.0
     assert r["events"] == ["sleep", "wake_up"]
-    assert r["export_equal"] and r["params_restored"], r
+    assert r["export_equal"] and r["params_restored"] and r["optimizer_restored"], r  # bit-identical round trip
     assert r["freed_mib"] * 2**20 > 0.9 * r["device_bytes"], r  # params, grads and optimizer state left the GPU
     # the ledger books what the memory plan predicts (megatron pads its buffers by a few elements per param)
     assert abs(r["host_asleep"] / r["plan_host_asleep"] - 1) < 0.01, r

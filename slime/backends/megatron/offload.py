@@ -15,10 +15,12 @@ What a sleeping trainer keeps, per policy (the numbers are per parameter N of th
 sharding, p the bytes of a param, 2 in bf16):
 
 - **default (slime v0.3.0's)**: only what cannot be recomputed. The optimizer state (fp32 master params, Adam m
-  and v: 12/d bytes) lives in a `torch_memory_saver` region with host backup; the fp32 grads (4) and the param
-  buffers (p) are released without any copy — grads are zeroed before every step anyway, and the params come
-  back from *one* pinned host copy of the weights (p), made once and refreshed at every sleep, which is also what
-  weight sync reads while the trainer sleeps. Host while asleep: p + 12/d.
+  and v: 12/d bytes) is copied to pinned host buffers (allocated at the first sleep and reused, copies on a side
+  stream: PCIe speed, where `torch_memory_saver`'s backup ran at ~2 GB/s) and its device storages are released;
+  the fp32 grads (4) and the param buffers (p) are released without any copy — grads are zeroed before every
+  step anyway, and the params come back from *one* pinned host copy of the weights (p), made once and refreshed
+  at every sleep, which is also what weight sync reads while the trainer sleeps. Host while asleep: p + 12/d
+  (both pinned buffers stay allocated while awake, so that no sleep pays for page-locking again).
 - **`--legacy-offload`** (this project's first offloader): everything the trainer allocated (params, grads,
   optimizer) is one region backed up to the host on pause, and every sleep makes one more unpinned copy of the
   params for weight sync. Host while asleep: p + 4 + 12/d + p.
@@ -27,8 +29,9 @@ So the default saves p + 4 bytes (6 in bf16) per trained parameter on the host o
 model (actor, and critic under PPO). Params and grads are released by resizing their storages to zero (their
 views — DDP buckets, `main_grad`, the distributed optimizer's shards — stay valid) and re-grown on wake-up.
 
-Backends: `torch_memory_saver` (CUDA, installed) pauses the optimizer region; without it (the CPU simulation) the
-optimizer state stays where it is, but params and grads are released and restored for real, the calls are
+Backends: on CUDA the default policy moves bytes itself (`pinned`); `--legacy-offload` pauses one
+`torch_memory_saver` region. On CPU (the simulation) the default policy runs the same code for real — params,
+grads and optimizer state are released and restored (the "host" buffers are then ordinary memory) — the calls are
 recorded in order (`calls`) and every byte moved is booked in a `ByteLedger`, so the policy is tested on CPU by
 what it does and by what it would hold. `events` keeps the coarse protocol (sleep / wake_up / update_weights)
 that the driver reports.
@@ -74,6 +77,20 @@ def _unique_storages(tensors: list[torch.Tensor]) -> list[tuple[torch.UntypedSto
     return list(seen.values())
 
 
+@contextlib.contextmanager
+def _copy_stream() -> Iterator[None]:
+    """Host<->device copies on a side stream that first waits for the current one; synchronized on exit, so
+    the copied bytes are complete (and the source may be released) when the block ends. No-op on CPU."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        yield
+    stream.synchronize()
+
+
 def host_rss_bytes() -> int:
     """This process's resident set (VmRSS; pinned host pages are resident and counted), 0 where unknown."""
     try:
@@ -109,7 +126,7 @@ class TrainOffloader:
     def __init__(self, enabled: bool, *, legacy: bool = False) -> None:
         self.enabled = enabled
         self.legacy = legacy
-        self.saver = _memory_saver() if enabled else None
+        self.saver = _memory_saver() if enabled and legacy else None
         self.asleep = False
         self.events: list[tuple[float, str]] = []
         self.calls: list[str] = []
@@ -118,13 +135,16 @@ class TrainOffloader:
         self._params: list[tuple[torch.UntypedStorage, int]] = []
         self._grads: list[tuple[torch.UntypedStorage, int]] = []
         self._grad_tensors: list[torch.Tensor] = []
-        self._optimizer_bytes = 0
+        self._optimizer: list[tuple[torch.UntypedStorage, int]] = []
+        self._optimizer_host: list[torch.UntypedStorage] | None = None  # pinned, allocated at the first sleep
         self.host_weights: dict[str, torch.Tensor] | None = None  # what weight sync reads while asleep
         self.rss_asleep = 0
 
     @property
     def backend(self) -> str:
-        return "torch_memory_saver" if self.saver is not None else "cpu"
+        if not torch.cuda.is_available():
+            return "cpu"
+        return "torch_memory_saver" if self.legacy and self.saver is not None else "pinned"
 
     @property
     def policy(self) -> str:
@@ -138,14 +158,14 @@ class TrainOffloader:
     def region(self, kind: str) -> Iterator[None]:
         """Allocate a trainer part inside this: `model` (model + DDP buffers) or `optimizer` (its state).
 
-        Legacy: both go into one backed-up region. Default: only the optimizer does; params and grads are
-        released by storage resizing instead (no region needed, no copy kept)."""
+        Legacy: both go into one `torch_memory_saver` region with host backup. Default: no region — every
+        storage is released by resizing and the optimizer's is copied to pinned buffers first."""
         if kind not in ("model", "optimizer"):
             raise ValueError(f"unknown region kind {kind!r}")
-        if self.saver is None or (not self.legacy and kind == "model"):
+        if self.saver is None:
             yield
             return
-        with self.saver.region(tag=LEGACY_TAG if self.legacy else OPTIMIZER_TAG, enable_cpu_backup=True):
+        with self.saver.region(tag=LEGACY_TAG, enable_cpu_backup=True):
             yield
 
     def attach(self, model: torch.nn.Module, optimizer: Any) -> None:
@@ -162,8 +182,8 @@ class TrainOffloader:
             for group in inner.param_groups:
                 opt_tensors += [p for p in group["params"] if p.untyped_storage().data_ptr() not in model_ptrs]
             opt_tensors += [v for st in inner.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()]
-        self._optimizer_bytes = sum(n for _, n in _unique_storages(opt_tensors))
-        for cat, n in (("params", self.param_bytes), ("grads", self.grad_bytes), ("optimizer", self._optimizer_bytes)):
+        self._optimizer = _unique_storages(opt_tensors)
+        for cat, n in (("params", self.param_bytes), ("grads", self.grad_bytes), ("optimizer", self.optimizer_bytes)):
             self.ledger.book("attach", cat, device=n)
 
     @property
@@ -176,7 +196,29 @@ class TrainOffloader:
 
     @property
     def optimizer_bytes(self) -> int:
-        return self._optimizer_bytes
+        return sum(n for _, n in self._optimizer)
+
+    def _offload_optimizer(self) -> None:
+        """Optimizer state → its pinned host buffers, then its device storages are released."""
+        if self._optimizer_host is None:
+            pin = torch.cuda.is_available()
+            self._optimizer_host = [
+                torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=pin).untyped_storage()
+                for _, n in self._optimizer
+            ]
+        with _copy_stream():
+            for (st, _), host in zip(self._optimizer, self._optimizer_host, strict=True):
+                host.copy_(st, non_blocking=True)
+        for st, _ in self._optimizer:
+            st.resize_(0)
+
+    def _restore_optimizer(self) -> None:
+        assert self._optimizer_host is not None
+        for st, n in self._optimizer:
+            st.resize_(n)
+        with _copy_stream():
+            for (st, _), host in zip(self._optimizer, self._optimizer_host, strict=True):
+                st.copy_(host, non_blocking=True)
 
     def _step(self, name: str) -> None:
         self.calls.append(name)
@@ -213,9 +255,7 @@ class TrainOffloader:
                 st.resize_(0)
             self.ledger.book("release:params", "params", device=-self.param_bytes)
             self._step(f"pause:{OPTIMIZER_TAG}")
-            if self.saver is not None:
-                torch.cuda.synchronize()
-                self.saver.pause(OPTIMIZER_TAG)
+            self._offload_optimizer()
             self.ledger.book(f"pause:{OPTIMIZER_TAG}", "optimizer", device=-self.optimizer_bytes, host=self.optimizer_bytes)  # fmt: skip
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -261,8 +301,7 @@ class TrainOffloader:
             self.ledger.book("restore_params", "weights_copy", host=-self.param_bytes)
         else:
             self._step(f"resume:{OPTIMIZER_TAG}")
-            if self.saver is not None:
-                self.saver.resume(OPTIMIZER_TAG)
+            self._restore_optimizer()
             self.ledger.book(f"resume:{OPTIMIZER_TAG}", "optimizer", device=self.optimizer_bytes, host=-self.optimizer_bytes)  # fmt: skip
             self._step("restore_params")
             for st, n in self._params:
@@ -297,10 +336,10 @@ class TrainOffloader:
     def memory_report(self) -> dict[str, Any]:
         """The ledger's state and the host RSS measured right after the last sleep (for metrics and benches).
 
-        `pinned` is the part of the host bytes in page-locked memory (torch_memory_saver's backups and the default
-        policy's weight copy; the legacy policy's extra copy is ordinary memory); 0 without a GPU."""
+        `pinned` is the part of the host bytes in page-locked memory (all of the default policy's; the legacy
+        policy's but its extra copy of the weights, which is ordinary memory); 0 without a GPU."""
         host = dict(self.ledger.host)
-        pinned = sum(host.values()) - (host["weights_copy"] if self.legacy else 0) if self.saver is not None else 0
+        pinned = sum(host.values()) - (host["weights_copy"] if self.legacy else 0) if self.backend != "cpu" else 0
         return {
             "policy": self.policy,
             "backend": self.backend,

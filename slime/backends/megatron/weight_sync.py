@@ -17,7 +17,8 @@ import base64
 import io
 import logging
 import pickle
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -83,11 +84,27 @@ class TensorWeightSync:
     def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int) -> dict[str, float]:
         """Every rank calls this with the same stream of HF-named tensors; returns what the leaders posted."""
         clients = list(self.clients.values())
+        t_start = time.perf_counter()
         begin_weight_sync(clients)
         num_bytes = num_buckets = 0
-        for bucket in buckets_by_dtype(named_tensors, self.bucket_bytes):
+        seconds = {"export": 0.0, "pack": 0.0, "post": 0.0}  # conversion (+ H2D) | flatten + serialize | engines
+
+        def timed(it: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+            it = iter(it)
+            while True:
+                t0 = time.perf_counter()
+                item = next(it, None)
+                seconds["export"] += time.perf_counter() - t0
+                if item is None:
+                    return
+                yield item
+
+        for bucket in buckets_by_dtype(timed(named_tensors), self.bucket_bytes):
+            t0 = time.perf_counter()
             flat, meta = flatten(bucket)
             payload = serialize({"flattened_tensor": flat, "metadata": meta}) if self.groups else None
+            seconds["pack"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
             for e, group in self.groups.items():
                 ranks = e.ranks(self.world_size)
                 gathered: list[Any] = [payload]
@@ -100,10 +117,19 @@ class TensorWeightSync:
                     num_bytes += bucket_nbytes(bucket)
                 if group is not None:
                     dist.barrier(group=group)  # the engine has copied every rank's bucket: they may go
+            seconds["post"] += time.perf_counter() - t0
             num_buckets += 1
             del flat, payload
         end_weight_sync(clients)
+        total = time.perf_counter() - t_start
         if clients:
-            logger.info("weight version %d: %d buckets, %.1f MiB to %d engine(s)", weight_version, num_buckets,
-                        num_bytes / 2**20, len(clients))  # fmt: skip
-        return {"weight_sync/bytes": float(num_bytes), "weight_sync/buckets": float(num_buckets)}
+            logger.info("weight version %d: %d buckets, %.1f MiB to %d engine(s) in %.3fs", weight_version,
+                        num_buckets, num_bytes / 2**20, len(clients), total)  # fmt: skip
+        return {
+            "weight_sync/bytes": float(num_bytes),
+            "weight_sync/buckets": float(num_buckets),
+            "weight_sync/export_s": seconds["export"],
+            "weight_sync/pack_s": seconds["pack"],
+            "weight_sync/post_s": seconds["post"],
+            "weight_sync/session_s": total - sum(seconds.values()),  # pause, flush, begin/end, continue
+        }
