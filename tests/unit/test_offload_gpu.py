@@ -38,7 +38,7 @@ def _worker(rank: int, ckpt: str, out: str, port: int, legacy: bool) -> None:
     ])  # fmt: skip
     assert args.offload_train and args.update_weight_mode == "tensor"
     off = TrainOffloader(args.offload_train, legacy=legacy)
-    assert off.backend == ("torch_memory_saver" if legacy else "pinned")
+    assert off.backend == "torch_memory_saver"
     trainer = MegatronTrainer(args, 0, 1, "127.0.0.1", port, offloader=off)  # as TrainRayActor.init does
     off.attach(trainer.model, trainer.optimizer)
     rng = random.Random(0)
@@ -57,11 +57,14 @@ def _worker(rank: int, ckpt: str, out: str, port: int, legacy: bool) -> None:
     inner = getattr(trainer.optimizer, "chained_optimizers", None) or [trainer.optimizer]
     opt_state = [v for o in inner for st in getattr(o, "optimizer", o).state.values() for v in st.values()
                  if torch.is_tensor(v) and v.dim()]  # fmt: skip
-    opt_before = [v.clone() for v in opt_state]
+    opt_before = [v.cpu() for v in opt_state]  # on the host: a device copy would pin allocator segments
     t0 = time.perf_counter()
     off.sleep()
     res["sleep_s"] = time.perf_counter() - t0
-    free_asleep = torch.cuda.mem_get_info()[0]
+    free_asleep, total = torch.cuda.mem_get_info()
+    res["device_used_asleep_mib"] = (
+        total - free_asleep
+    ) / 2**20  # the whole GPU: this process alone, context included
     res["host_asleep"] = sum(off.ledger.host.values())
     from slime.backends.megatron.memory import MemoryConfig, ModelShape, build_memory_plan
 
@@ -73,7 +76,7 @@ def _worker(rank: int, ckpt: str, out: str, port: int, legacy: bool) -> None:
     off.wake_up()
     res["wake_s"] = time.perf_counter() - t0
     res["optimizer_restored"] = bool(opt_state) and all(
-        torch.equal(a, b) for a, b in zip(opt_before, opt_state, strict=True)
+        torch.equal(a, b.cpu()) for a, b in zip(opt_before, opt_state, strict=True)
     )
     res["freed_mib"] = (free_asleep - free_awake) / 2**20
     res["export_equal"] = all(torch.equal(exported_awake[n], exported_asleep[n]) for n in exported_awake)

@@ -15,8 +15,9 @@ What a sleeping trainer keeps, per policy (the numbers are per parameter N of th
 sharding, p the bytes of a param, 2 in bf16):
 
 - **default (slime v0.3.0's)**: only what cannot be recomputed. The optimizer state (fp32 master params, Adam m
-  and v: 12/d bytes) is copied to pinned host buffers (allocated at the first sleep and reused, copies on a side
-  stream: PCIe speed, where `torch_memory_saver`'s backup ran at ~2 GB/s) and its device storages are released;
+  and v: 12/d bytes) lives in a `torch_memory_saver` region without backup: it is copied to pinned host buffers
+  (allocated at the first sleep and reused, copies on a side stream: PCIe speed, where the region's own backup
+  ran at ~2 GB/s), then the region is paused;
   the fp32 grads (4) and the param buffers (p) are released without any copy — grads are zeroed before every
   step anyway, and the params come back from *one* pinned host copy of the weights (p), made once and refreshed
   at every sleep, which is also what weight sync reads while the trainer sleeps. Host while asleep: p + 12/d
@@ -29,9 +30,9 @@ So the default saves p + 4 bytes (6 in bf16) per trained parameter on the host o
 model (actor, and critic under PPO). Params and grads are released by resizing their storages to zero (their
 views — DDP buckets, `main_grad`, the distributed optimizer's shards — stay valid) and re-grown on wake-up.
 
-Backends: on CUDA the default policy moves bytes itself (`pinned`); `--legacy-offload` pauses one
-`torch_memory_saver` region. On CPU (the simulation) the default policy runs the same code for real — params,
-grads and optimizer state are released and restored (the "host" buffers are then ordinary memory) — the calls are
+Backends: `torch_memory_saver` (CUDA, installed) pauses the regions; without it (the CPU simulation) the
+default policy runs the same copies for real and releases the optimizer's storages by resizing — params, grads
+and optimizer state are released and restored (the "host" buffers are then ordinary memory) — the calls are
 recorded in order (`calls`) and every byte moved is booked in a `ByteLedger`, so the policy is tested on CPU by
 what it does and by what it would hold. `events` keeps the coarse protocol (sleep / wake_up / update_weights)
 that the driver reports.
@@ -126,7 +127,7 @@ class TrainOffloader:
     def __init__(self, enabled: bool, *, legacy: bool = False) -> None:
         self.enabled = enabled
         self.legacy = legacy
-        self.saver = _memory_saver() if enabled and legacy else None
+        self.saver = _memory_saver() if enabled else None
         self.asleep = False
         self.events: list[tuple[float, str]] = []
         self.calls: list[str] = []
@@ -142,9 +143,7 @@ class TrainOffloader:
 
     @property
     def backend(self) -> str:
-        if not torch.cuda.is_available():
-            return "cpu"
-        return "torch_memory_saver" if self.legacy and self.saver is not None else "pinned"
+        return "torch_memory_saver" if self.saver is not None else "cpu"
 
     @property
     def policy(self) -> str:
@@ -158,14 +157,17 @@ class TrainOffloader:
     def region(self, kind: str) -> Iterator[None]:
         """Allocate a trainer part inside this: `model` (model + DDP buffers) or `optimizer` (its state).
 
-        Legacy: both go into one `torch_memory_saver` region with host backup. Default: no region — every
-        storage is released by resizing and the optimizer's is copied to pinned buffers first."""
+        Legacy: both go into one `torch_memory_saver` region with its host backup. Default: only the optimizer
+        does, without backup (we copy it to pinned buffers ourselves, faster): a region's pause returns every
+        byte to the driver, where released storages of the caching allocator could stay stuck in segments
+        shared with live blocks. Params and grads are released by storage resizing (contiguous DDP buffers)."""
         if kind not in ("model", "optimizer"):
             raise ValueError(f"unknown region kind {kind!r}")
-        if self.saver is None:
+        if self.saver is None or (not self.legacy and kind == "model"):
             yield
             return
-        with self.saver.region(tag=LEGACY_TAG, enable_cpu_backup=True):
+        tag = LEGACY_TAG if self.legacy else OPTIMIZER_TAG
+        with self.saver.region(tag=tag, enable_cpu_backup=self.legacy):
             yield
 
     def attach(self, model: torch.nn.Module, optimizer: Any) -> None:
@@ -209,13 +211,19 @@ class TrainOffloader:
         with _copy_stream():
             for (st, _), host in zip(self._optimizer, self._optimizer_host, strict=True):
                 host.copy_(st, non_blocking=True)
+        if self.saver is not None:
+            self.saver.pause(OPTIMIZER_TAG)  # unmaps the region's physical memory (addresses stay valid)
+            return
         for st, _ in self._optimizer:
             st.resize_(0)
 
     def _restore_optimizer(self) -> None:
         assert self._optimizer_host is not None
-        for st, n in self._optimizer:
-            st.resize_(n)
+        if self.saver is not None:
+            self.saver.resume(OPTIMIZER_TAG)  # fresh physical memory behind the same addresses: copied into next
+        else:
+            for st, n in self._optimizer:
+                st.resize_(n)
         with _copy_stream():
             for (st, _), host in zip(self._optimizer, self._optimizer_host, strict=True):
                 st.copy_(host, non_blocking=True)
@@ -339,7 +347,7 @@ class TrainOffloader:
         `pinned` is the part of the host bytes in page-locked memory (all of the default policy's; the legacy
         policy's but its extra copy of the weights, which is ordinary memory); 0 without a GPU."""
         host = dict(self.ledger.host)
-        pinned = sum(host.values()) - (host["weights_copy"] if self.legacy else 0) if self.backend != "cpu" else 0
+        pinned = sum(host.values()) - (host["weights_copy"] if self.legacy else 0) if self.saver is not None else 0
         return {
             "policy": self.policy,
             "backend": self.backend,
