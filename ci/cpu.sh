@@ -7,11 +7,21 @@ cd "$(dirname "$0")/.."
 t0=$(date +%s)
 step() { echo "=== [$(( $(date +%s) - t0 ))s] $*"; }
 
-step "python environment"
+# The two installs share nothing (.venv; redis, npm CLIs, .venv-sglang) and mostly wait on downloads and
+# unpacking: side by side they take about the longer one's time. The test deps' output is shown when they end.
+step "python environment, and test dependencies alongside (log: .test-deps.log)"
+STRICT=1 bash scripts/install_test_deps.sh > .test-deps.log 2>&1 &
+deps=$!
 bash scripts/install.sh
 
 step "test dependencies"
-STRICT=1 bash scripts/install_test_deps.sh
+deps_rc=0
+wait "$deps" || deps_rc=$?
+cat .test-deps.log
+if [ "$deps_rc" != 0 ]; then
+  echo "test dependencies failed (exit $deps_rc)" >&2
+  exit "$deps_rc"
+fi
 
 step "lint"
 .venv/bin/ruff check .
