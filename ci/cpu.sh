@@ -23,6 +23,9 @@ if [ "$deps_rc" != 0 ]; then
   exit "$deps_rc"
 fi
 
+step "bytecode of the repository's packages (every test's child processes import them)"
+.venv/bin/python -m compileall -q -j 0 slime sim examples bench tests >/dev/null
+
 step "lint"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
