@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -131,17 +130,17 @@ def job_flags(a: argparse.Namespace, model: Path, prompts: Path, metrics: Path) 
 
 
 def run_job(flags: list[str], log_path: Path, timeout: float) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "slime.cli", "train", *flags]
+    from sim.slime_run import slime_train
+
     t0 = time.perf_counter()
-    with open(log_path, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    rc: int | str
+    with slime_train(flags, log_path) as proc:
         try:
             rc = proc.wait(timeout=max(timeout, 1.0))
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            rc = "timeout"
-    return {"returncode": rc, "wall_s": round(time.perf_counter() - t0, 1), "cmd": " ".join(cmd)}
+            rc = "timeout"  # the group is stopped on the way out of the block
+    cmd = " ".join([sys.executable, "-m", "slime.cli", "train", *flags])
+    return {"returncode": rc, "wall_s": round(time.perf_counter() - t0, 1), "cmd": cmd}
 
 
 def last_train_metrics(metrics_dir: Path) -> dict[str, float]:

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from sim.slime_run import run_slime_train
 from slime.utils.types import Sample, Status
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
@@ -69,21 +68,7 @@ def test_debug_rollout_only_with_cli_harness(harness: str, tmp_path: Path) -> No
     (tmp_path / "engine_logs").mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(Path(__file__).resolve().parent)])}
     log = tmp_path / "slime.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "slime.cli", "train", *argv],
-            cwd=ROOT,
-            env=env,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            rc = proc.wait(timeout=540)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    rc = run_slime_train(argv, log, 540, env)
     assert rc == 0, log.read_text()[-6000:]
 
     payload = torch.load(str(dump).format(rollout_id=0), weights_only=False)

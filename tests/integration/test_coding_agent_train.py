@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import pytest
 import torch
 
 from examples.coding_agent.scripted_policy import build_script, expected_reward
+from sim.slime_run import run_slime_train
 from slime.agent.local_sandbox import UID_BASE, UID_SLOTS
 from slime.utils.types import Sample, Status
 
@@ -65,21 +64,7 @@ def train(
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     log = tmp_path / "slime.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "slime.cli", "train", *argv],
-            cwd=ROOT,
-            env=env,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            rc = proc.wait(timeout=900)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    rc = run_slime_train(argv, log, 900, env)
     assert rc == 0, log.read_text()[-6000:]
     return metrics
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import collections
 import json
 import os
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+
+from sim.slime_run import supervised
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 
@@ -30,18 +30,8 @@ def run(tmp_path_factory) -> Path:
     env = {**os.environ, "OUT": str(out)}
     (out / "requests").mkdir()  # slime does not create --sim-request-log-dir itself
     extra = ["--num-rollout", str(NUM_ROLLOUT), "--sim-request-log-dir", str(out / "requests")]
-    log = open(out / "run.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(
-        ["bash", str(ROOT / "examples/fan_out/run_fan_out.sh"), *extra],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    try:
+    with supervised(["bash", str(ROOT / "examples/fan_out/run_fan_out.sh"), *extra], out / "run.log", env) as proc:
         rc = proc.wait(timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
     assert rc == 0, (out / "run.log").read_text()[-6000:]
     return out
 

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from sim.slime_run import run_slime_train
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 
@@ -40,16 +41,8 @@ def assets(tmp_path_factory) -> Path:
 
 def run_slime(argv: list[str], run: Path, timeout: float = 600) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "slime.cli", "train", *argv, "--metrics-dir", str(run / "metrics")]
     run.mkdir(parents=True, exist_ok=True)
-    with open(run / "driver.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    rc = run_slime_train([*argv, "--metrics-dir", str(run / "metrics")], run / "driver.log", timeout, env)
     assert rc == 0, (run / "driver.log").read_text()[-6000:]
     return json.loads((run / "metrics" / "summary.json").read_text())
 

@@ -27,6 +27,8 @@ import psutil
 import pytest
 import torch
 
+from sim.slime_run import slime_train
+
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,21 +88,15 @@ def run_slime(argv: list[str], run: Path, kill_when: Path | None = None, timeout
     """Run `slime train`; with `kill_when`, SIGKILL it as soon as that path exists. Returns the exit code."""
     (run / "requests").mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "slime.cli", "train", *argv]
-    with open(run / "driver.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    with slime_train(argv, run / "driver.log", env) as proc:
         deadline = time.monotonic() + timeout
-        try:
-            while proc.poll() is None:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"slime train did not finish in {timeout}s")
-                if kill_when is not None and kill_when.exists():
-                    _kill_tree(proc)
-                    return -signal.SIGKILL
-                time.sleep(0.02)
-        finally:
-            if proc.poll() is None:
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"slime train did not finish in {timeout}s")
+            if kill_when is not None and kill_when.exists():
                 _kill_tree(proc)
+                return -signal.SIGKILL
+            time.sleep(0.02)
     rc = proc.returncode
     assert rc == 0 or kill_when is not None, (run / "driver.log").read_text()[-6000:]
     return rc

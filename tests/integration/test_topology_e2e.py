@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections import Counter
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from sim.process_tree import ProcessTreeWatcher
+from sim.slime_run import slime_train
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 
@@ -29,19 +29,13 @@ BATCH, N_SAMPLES, ROLLOUTS = 4, 2, 3
 
 
 def run_slime(argv: list[str], out: Path, timeout: float = 900) -> tuple[dict, ProcessTreeWatcher]:
-    cmd = [sys.executable, "-m", "slime.cli", "train", *argv, "--metrics-dir", str(out)]
     log_path = out.parent / f"{out.name}.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    with slime_train([*argv, "--metrics-dir", str(out)], log_path, {**os.environ, "PYTHONPATH": str(ROOT)}) as proc:
         tree = ProcessTreeWatcher(proc.pid)
         try:
             rc = proc.wait(timeout=timeout)
         finally:
             tree.stop()
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
     assert rc == 0, log_path.read_text()[-6000:]
     return json.loads((out / "summary.json").read_text()), tree
 

@@ -11,7 +11,6 @@ import importlib.metadata
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import psutil
 import pytest
 
 from sim.process_tree import ProcessTreeWatcher
+from sim.slime_run import slime_train
 from slime.utils.tracking import STEP_PHASES
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
@@ -64,20 +64,14 @@ def run_slime(
     argv: list[str], metrics: Path, on_running=None, timeout: float = 600
 ) -> tuple[dict, ProcessTreeWatcher]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "slime.cli", "train", *argv, "--metrics-dir", str(metrics)]
-    log = open(metrics.parent / f"{metrics.name}.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    watcher = ProcessTreeWatcher(proc.pid)
-    try:
-        if on_running is not None:
-            on_running(proc)
-        rc = proc.wait(timeout=timeout)
-    finally:
-        watcher.stop()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+    with slime_train([*argv, "--metrics-dir", str(metrics)], metrics.parent / f"{metrics.name}.log", env) as proc:
+        watcher = ProcessTreeWatcher(proc.pid)
+        try:
+            if on_running is not None:
+                on_running(proc)
+            rc = proc.wait(timeout=timeout)
+        finally:
+            watcher.stop()
     out = (metrics.parent / f"{metrics.name}.log").read_text()
     assert rc == 0, out[-6000:]
     return json.loads((metrics / "summary.json").read_text()), watcher
