@@ -26,7 +26,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
-SUMMARY = re.compile(r"=+ (?P<body>.*?) in (?P<secs>[\d.]+)s")
+SUMMARY = re.compile(r"^=*\s*(?P<body>\d+ \w+.*?) in (?P<secs>[\d.]+)s", re.M)  # with or without -q's '=' rule
 
 
 def parse_summary(output: str) -> dict[str, float | int]:
