@@ -48,12 +48,17 @@ def servers_and_trainer(
         timings["startup/trainer_init"] = time.perf_counter() - t0
         return trainer
 
-    with ThreadPoolExecutor(1, thread_name_prefix="trainer-init") as pool:
+    pool = ThreadPoolExecutor(1, thread_name_prefix="trainer-init")
+    try:
         built = pool.submit(timed_build)
         info = ray.get(manager.server_info.remote())
         timings["startup/rollout_servers"] = time.perf_counter() - t0
         _write_server_info(args, info)
         trainer = built.result()
+    finally:
+        # a server that failed to start is reported now, not after the model is built; the driver's shut-down
+        # (ray.shutdown) then ends the build
+        pool.shutdown(wait=False)
     return info, trainer, timings
 
 
