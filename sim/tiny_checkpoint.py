@@ -230,6 +230,26 @@ def build_tiny_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def build_random_qwen2(out: Path, num_layers: int, *, vocab_size: int = 96, hidden_size: int = 64,
+                       intermediate_size: int = 96, tie_word_embeddings: bool = True) -> None:  # fmt: skip
+    """Weights only (no tokenizer), fp32, seed 0, larger than HF's init so logits and gradients are far from
+    uniform: what the layout-equivalence tests compare parallel layouts on."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=tie_word_embeddings,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    model.save_pretrained(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Build a tiny random Qwen2 checkpoint + tokenizer (no downloads).")
     p.add_argument("out_dir")

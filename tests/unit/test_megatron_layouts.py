@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sim.tiny_checkpoint import build_random_qwen2
 from slime.utils.http_utils import find_free_port
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
@@ -68,21 +69,6 @@ def _samples(vocab: int) -> list:
                        loss_mask=mask, status=Status.COMPLETED)
             )  # fmt: skip
     return out
-
-
-def _build_checkpoint(out: Path) -> None:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(
-        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg).float()
-    with torch.no_grad():  # larger than HF's init, so logits (and gradients) are far from uniform
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
-    model.save_pretrained(out)
 
 
 def _shift_boundaries(trainer) -> None:
@@ -163,7 +149,7 @@ def runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("layouts")
     ckpt = str(root / "model")
-    _build_checkpoint(Path(ckpt))
+    build_random_qwen2(Path(ckpt), num_layers=4)
     ports = {name: find_free_port() for name in LAYOUTS}
     mp.spawn(_worker, args=(ports, ckpt, str(root)), nprocs=WORLD, daemon=True)
     runs = {}

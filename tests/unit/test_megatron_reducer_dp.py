@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sim.tiny_checkpoint import build_random_qwen2
 from slime.utils.http_utils import find_free_port
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
@@ -79,21 +80,6 @@ def _rank_data(args, vocab: int, dp: int) -> list[dict]:
 
     data, _ = build_rank_data(args, 0, _samples(vocab), CarryBuffer(), {"dp_size": dp, "cp_size": 1})
     return data
-
-
-def _build_checkpoint(out: Path) -> None:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(
-        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg).float()
-    with torch.no_grad():  # larger than HF's init, so logits (and gradients) are far from uniform
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
-    model.save_pretrained(out)
 
 
 # ---------------------------------------------------------------- real megatron (spawned ranks)
@@ -252,7 +238,7 @@ def runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("reducer_dp")
     ckpt = str(root / "model")
-    _build_checkpoint(Path(ckpt))
+    build_random_qwen2(Path(ckpt), num_layers=2)
     # daemon: should the test be interrupted, the ranks die with it (a failing rank makes spawn stop the other)
     mp.spawn(_worker, args=([find_free_port() for _ in range(5)], ckpt, str(root)), nprocs=2, daemon=True)
     vocab = read_hf_config(ckpt).vocab_size
