@@ -12,8 +12,6 @@ what the checksums check.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,16 +19,7 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-ROOT = Path(__file__).resolve().parents[2]
 MEAN_TOL = 0.05
-
-
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("colocated_toy")
-    subprocess.run([sys.executable, "-m", "examples.toy.prepare", "--out", str(out), "--num-train", "64",
-                    "--num-eval", "4"], check=True, cwd=ROOT, timeout=300)  # fmt: skip
-    return out
 
 
 def test_colocated_bf16_syncs_exact_weights_every_rollout(toy: Path, tmp_path: Path) -> None:

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -178,14 +176,6 @@ def test_negative_control_is_outside_the_tolerance(numerics):
 
 
 # ---------------------------------------------------------------- slime train on two GPUs
-
-
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("two_gpu_toy")
-    subprocess.run([sys.executable, "-m", "examples.toy.prepare", "--out", str(out), "--num-train", "64",
-                    "--num-eval", "4"], check=True, cwd=ROOT, timeout=300)  # fmt: skip
-    return out
 
 
 def _slime_train(argv: list[str], out: Path, timeout: float = 480) -> list[dict]:
