@@ -30,7 +30,6 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (the nvidia-h200-x2 host)"),
 ]
 
-ROOT = Path(__file__).resolve().parents[2]
 LENGTHS = [37, 5, 120, 64, 9, 300, 17, 80]
 FP32_TOL, BF16_TOL = 1e-4, 3e-2
 
