@@ -164,9 +164,11 @@ def train(args: Namespace) -> dict:
                     t0 = time.perf_counter()
                     ray.get(manager.offload.remote())
                     metrics["time/engine_release"] = time.perf_counter() - t0
+                sync_due = sync_weights and (rollout_id + 1) % args.update_weights_interval == 0
                 if rank_refs is not None:
                     t0 = time.perf_counter()
-                    hashes, train_metrics = actors.train(rollout_id, rank_refs)
+                    # a sleeping trainer keeps its weights on the GPU for the sync that follows (train_actor.py)
+                    hashes, train_metrics = actors.train(rollout_id, rank_refs, keep_weights=sync_due)
                     summary["hashes"][rollout_id] = hashes
                     metrics.update(train_metrics)
                     metrics["time/train_total"] = time.perf_counter() - t0
@@ -179,8 +181,7 @@ def train(args: Namespace) -> dict:
                     actors.save_hf(actor_args.save_hf.format(rollout_id=rollout_id))
                     metrics["time/save_hf"] = time.perf_counter() - t1
                 if sync_weights and rank_refs is not None:
-                    due = (rollout_id + 1) % args.update_weights_interval == 0
-                    metrics.update(sync_and_onload(rollout_id + 1 if due else None))
+                    metrics.update(sync_and_onload(rollout_id + 1 if sync_due else None))
                 metrics["time/step"] = time.perf_counter() - t_step
                 metrics["time/unaccounted"] = metrics["time/step"] - sum(metrics.get(k, 0.0) for k in STEP_PHASES)
                 summary["metrics"][rollout_id] = metrics

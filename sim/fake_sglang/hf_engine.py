@@ -80,6 +80,7 @@ class HFEngine(Engine):
         self._eos = self._collect_eos(self.model, self.tokenizer)
         self.kv_cache = True  # off after a model whose cache layout this engine does not know
         self._kv: _BatchKV | None = None
+        self._params: tuple[Any, dict[str, torch.Tensor]] | None = None  # (model, its tensors by name)
         # transformers 5.24 renamed `past_key_values` to `cache` (in and out); GPU hosts may carry an older one.
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
@@ -208,8 +209,16 @@ class HFEngine(Engine):
     async def _score_prompt_async(self, prompt_ids: list[int], start: int, temperature: float, top_k: int):
         return await asyncio.to_thread(self.score_prompt, prompt_ids, start, temperature, top_k)
 
+    def _params_by_name(self) -> dict[str, torch.Tensor]:
+        """The served model's tensors by HF name, built once per model (a weight sync looks up every one)."""
+        if self._params is None or self._params[0] is not self.model:
+            self._params = (self.model, self.model.state_dict(keep_vars=True))
+        return self._params[1]
+
     async def load_named_tensors(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        params = self.model.state_dict(keep_vars=True)
+        """Copy each tensor into its parameter before answering: the tensors may be views of the sender's memory
+        (decode_payload), which it reuses once answered, so on CUDA the copies are complete before we return."""
+        params = self._params_by_name()
         unknown = [n for n, _ in named if n not in params]
         if unknown:
             raise BadRequest(f"unknown parameter names: {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
@@ -220,7 +229,9 @@ class HFEngine(Engine):
             self._kv = None  # keys/values of the old weights
             with torch.no_grad():
                 for n, t in named:
-                    params[n].data.copy_(t.to(device=params[n].device, dtype=params[n].dtype))
+                    params[n].data.copy_(t, non_blocking=True)  # copy_ casts dtype and moves device itself
+            if torch.device(self.device).type == "cuda":
+                torch.cuda.synchronize(self.device)
 
     async def load_from_disk(self, model_path: str) -> None:
         model = await asyncio.to_thread(load_model, model_path, self.device, self.dtype)

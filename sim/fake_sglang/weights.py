@@ -76,7 +76,11 @@ def _get(m: Any, key: str) -> Any:
 
 
 def decode_payload(serialized: list[str | bytes], load_format: str | None) -> list[tuple[str, torch.Tensor]]:
-    """Receiver side: entry 0 of `serialized_named_tensors` -> list of (name, tensor), copied out of shm."""
+    """Receiver side: entry 0 of `serialized_named_tensors` -> list of (name, tensor).
+
+    The tensors are views of the sender's memory (shared memory on CPU, a CUDA IPC mapping on GPU), valid until
+    the request is answered: the engine copies them into its parameters, once, before it answers (as SGLang's
+    loader does), so no intermediate copy is made here."""
     if not serialized:
         raise ValueError("serialized_named_tensors is empty")
     obj = deserialize(serialized[0])
@@ -85,13 +89,13 @@ def decode_payload(serialized: list[str | bytes], load_format: str | None) -> li
         out = []
         for m in obj["metadata"]:
             t = flat[_get(m, "start_idx") : _get(m, "end_idx")].reshape(tuple(_get(m, "shape")))
-            out.append((_get(m, "name"), t.to(_get(m, "dtype")).clone()))
+            out.append((_get(m, "name"), t.to(_get(m, "dtype"))))
         return out
     if load_format not in (None, "direct"):
         raise ValueError(f"unsupported load_format {load_format!r} (expected null or 'flattened_bucket')")
     if isinstance(obj, dict):
         obj = list(obj.items())
-    return [(str(n), t.clone()) for n, t in obj]
+    return [(str(n), t) for n, t in obj]
 
 
 def build_update_body(

@@ -9,7 +9,9 @@ Rank 0 binds the rendezvous on its own node's address; every rank joins it there
 nodes. Weight sync has two transports (`--update-weight-mode`): `tensor` for colocated engines (IPC handles
 over HTTP, `weight_sync.py`) and `distributed` for engines on their own GPUs (a process group per pipeline
 stage, `weight_sync_distributed.py`). With `--offload-train` the trainer sleeps between its own
-phases (`offload.py`): it wakes to train or save and sleeps again, and weight sync runs while it sleeps.
+phases (`offload.py`): it wakes to train or save and sleeps again. When a weight sync follows the train call,
+it sleeps in two halves: optimizer state and grads at the end of the train call, its params only once the
+sync has read them on the GPU (`keep_weights`), so the sync never waits for a host-to-device copy.
 """
 
 from __future__ import annotations
@@ -143,9 +145,14 @@ class TrainRayActor:
         }
 
     def train(
-        self, rollout_id: int, rank_data_refs: list[Any], values: list[list[float]] | None = None
+        self,
+        rollout_id: int,
+        rank_data_refs: list[Any],
+        values: list[list[float]] | None = None,
+        keep_weights: bool = False,
     ) -> tuple[str | None, dict[str, float]]:
-        """One rollout on this rank; `values` (PPO): the critic's old values from the critic rank of this rank."""
+        """One rollout on this rank; `values` (PPO): the critic's old values from the critic rank of this rank.
+        `keep_weights`: a weight sync comes next, which releases the params once it has read them."""
         if self.args.debug_rollout_only:
             return None, {}
         data = self._rank_data(rollout_id, rank_data_refs)
@@ -153,7 +160,7 @@ class TrainRayActor:
             self.offloader.wake_up()
         metrics = self.trainer.train(rollout_id, data, values)
         with self._timed() as slept:
-            self.offloader.sleep()
+            self.offloader.sleep(keep_weights=keep_weights)
         return self.hashes[rollout_id], {**metrics, **self._memory_metrics(), **self._wake_sleep(woke, slept)}
 
     def train_critic(
@@ -211,20 +218,32 @@ class TrainRayActor:
     def update_weights(self, engines: list[dict[str, Any]], weight_version: int) -> dict[str, float]:
         """Every rank exports (a TP collective) and takes part; see the two transports' modules.
 
-        `engines`: `{"url", "num_gpus", "base_gpu"}` of each receiving engine. Runs while the trainer sleeps."""
+        `engines`: `{"url", "num_gpus", "base_gpu"}` of each receiving engine. Runs while the trainer sleeps (or,
+        after `train(keep_weights=True)`, half-sleeps: then it reads the live weights and finishes the sleep)."""
         if self.args.debug_rollout_only or not engines:
-            return {}
+            return self._release_weights() if self.offloader is not None else {}
         from slime.backends.megatron.initialize import run_custom_megatron_init
 
         run_custom_megatron_init(self.args)
         self.offloader.note("update_weights")
-        if self.args.update_weight_mode == "distributed":
-            out = self._update_weights_distributed(engines, weight_version)
-        else:
-            out = self._update_weights_tensor(engines, weight_version)
-        if self.args.check_weight_update_equal:
-            out.update(self._check_weights([e["url"] for e in engines]))
-        return out
+        try:
+            if self.args.update_weight_mode == "distributed":
+                out = self._update_weights_distributed(engines, weight_version)
+            else:
+                out = self._update_weights_tensor(engines, weight_version)
+            if self.args.check_weight_update_equal:
+                out.update(self._check_weights([e["url"] for e in engines]))
+        finally:
+            out_sleep = self._release_weights()
+        return {**out, **out_sleep}
+
+    def _release_weights(self) -> dict[str, float]:
+        """The second half of a sleep that kept the weights for the sync (`train(keep_weights=True)`)."""
+        if not self.offloader.drowsy:
+            return {}
+        with self._timed() as slept:
+            self.offloader.sleep()
+        return {f"time/{self.role}_release_weights": slept[0]}
 
     def _update_weights_tensor(self, engines: list[dict[str, Any]], weight_version: int) -> dict[str, float]:
         from slime.backends.megatron.weight_sync import ColocatedEngine, TensorWeightSync
@@ -294,9 +313,10 @@ class TrainRayActor:
         from slime.backends.megatron.initialize import run_custom_megatron_init
 
         run_custom_megatron_init(self.args)
+        keep = self.offloader.drowsy  # asleep as it was: a sync may still be due to read the live weights
         self.offloader.wake_up()
         save_trainer_state(self.trainer, path, rollout_id)
-        self.offloader.sleep()
+        self.offloader.sleep(keep_weights=keep)
 
     def offload_events(self) -> list[tuple[float, str]]:
         return list(self.offloader.events) if self.offloader is not None else []
@@ -309,9 +329,10 @@ class TrainRayActor:
             from slime.backends.megatron.initialize import run_custom_megatron_init
 
             run_custom_megatron_init(self.args)
+            keep = self.offloader.drowsy
             self.offloader.wake_up()
             self.trainer.save_hf(path)
-            self.offloader.sleep()
+            self.offloader.sleep(keep_weights=keep)
 
     def parallel_config(self) -> dict[str, int]:
         if self.trainer is None:  # --debug-rollout-only: nothing trains, any layout will do
@@ -363,12 +384,16 @@ class RayTrainGroup:
         return starts[0]
 
     def train(
-        self, rollout_id: int, rank_data_refs: list[Any], values: list[Any] | None = None
+        self,
+        rollout_id: int,
+        rank_data_refs: list[Any],
+        values: list[Any] | None = None,
+        keep_weights: bool = False,
     ) -> tuple[list[str | None], dict[str, float]]:
         """Returns every rank's data hash and rank 0's step metrics (already reduced over dp×cp). `values`: one
         Ray ref per rank (the critic's), resolved by Ray on the way to that rank, never through the driver."""
         out = ray.get([
-            a.train.remote(rollout_id, rank_data_refs, values[i] if values is not None else None)
+            a.train.remote(rollout_id, rank_data_refs, values[i] if values is not None else None, keep_weights)
             for i, a in enumerate(self.actors)
         ])  # fmt: skip
         return [h for h, _ in out], with_rank_memory([m for _, m in out])
@@ -447,16 +472,19 @@ class TrainModels:
             )
         return path
 
-    def train(self, rollout_id: int, rank_data_refs: list[Any]) -> tuple[list[str | None], dict[str, float]]:
+    def train(
+        self, rollout_id: int, rank_data_refs: list[Any], keep_weights: bool = False
+    ) -> tuple[list[str | None], dict[str, float]]:
+        """`keep_weights`: the actor's weight sync follows (`TrainRayActor.train`)."""
         if self.critic is None:
-            return self.actor.train(rollout_id, rank_data_refs)
+            return self.actor.train(rollout_id, rank_data_refs, keep_weights=keep_weights)
         stat_refs, value_refs = self.critic.train_critic(rollout_id, rank_data_refs)
         stats = ray.get(stat_refs)
         metrics = with_rank_memory([m for _, m in stats])
         if rollout_id < self.args.num_critic_only_steps:
             metrics["train/critic_only"] = 1.0
             return [h for h, _ in stats], metrics
-        hashes, actor_metrics = self.actor.train(rollout_id, rank_data_refs, value_refs)
+        hashes, actor_metrics = self.actor.train(rollout_id, rank_data_refs, value_refs, keep_weights)
         return hashes, {**metrics, **actor_metrics}
 
     def save(self, path: str, rollout_id: int) -> None:

@@ -59,7 +59,7 @@ def test_default_policy_releases_params_and_grads_and_restores_from_the_host_cop
     model.a.main_grad.fill_(3.0)
     off.sleep()
     off.sleep()  # a second sleep is a no-op (the driver may ask twice)
-    assert off.asleep and off.calls == ["copy_params_to_pinned", "release:grads", "release:params", "pause:optimizer"]
+    assert off.asleep and off.calls == ["release:grads", "pause:optimizer", "copy_params_to_pinned", "release:params"]
     assert model.a.untyped_storage().nbytes() == 0 and model.a.main_grad.untyped_storage().nbytes() == 0
     exported = dict(off.named_params_for_export(model))  # what weight sync reads while asleep
     assert torch.equal(exported["a"], before["a"]) and exported["a"].untyped_storage().nbytes() == 24
@@ -80,6 +80,42 @@ def test_default_policy_releases_params_and_grads_and_restores_from_the_host_cop
     assert exported["a"] is off.host_weights["a"]
     off.sleep()
     assert off.ledger.host["weights_copy"] == 40  # refreshed in place, not a second copy
+
+
+def test_sleep_keeping_the_weights_for_the_sync_then_releasing_them():
+    """`sleep(keep_weights=True)`: optimizer and grads go, params stay live (what the sync reads); the next
+    `sleep()` releases them; a wake-up from either half restores exactly what left."""
+    model, off, opt = _setup(legacy=False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    off.sleep()
+    off.wake_up()
+    with torch.no_grad():
+        model.a.add_(1.0)  # a train step changes the weights after the last full sleep
+    trained = {n: p.detach().clone() for n, p in model.named_parameters()}
+    n_calls = len(off.calls)
+    off.sleep(keep_weights=True)
+    assert off.drowsy and not off.asleep
+    assert off.calls[n_calls:] == ["release:grads", "pause:optimizer"]
+    assert model.a.untyped_storage().nbytes() == 24 and model.a.main_grad.untyped_storage().nbytes() == 0
+    exported = dict(off.named_params_for_export(model))
+    assert exported["a"] is model.a  # the live parameter, not the (stale) host copy
+    assert not torch.equal(off.host_weights["a"], trained["a"])
+    assert off.ledger.device["params"] == 40 and off.ledger.device["optimizer"] == 0
+    off.sleep()
+    assert off.asleep and not off.drowsy
+    assert off.calls[n_calls + 2 :] == ["copy_params_to_pinned", "release:params"]
+    assert torch.equal(off.host_weights["a"], trained["a"]) and model.a.untyped_storage().nbytes() == 0
+    assert [name for _, name in off.events][-2:] == ["sleep", "release_weights"]
+    off.wake_up()
+    assert all(torch.equal(trained[n], p) for n, p in model.named_parameters())
+    # a wake-up from the first half: optimizer and grads come back, the params were never touched
+    off.sleep(keep_weights=True)
+    n_calls = len(off.calls)
+    off.wake_up()
+    assert off.calls[n_calls:] == ["resume:optimizer", "zero_grads"] and not off.drowsy and not off.asleep
+    assert all(torch.equal(trained[n], p) for n, p in model.named_parameters())
+    assert off.ledger.device == {"params": 40, "grads": 40, "optimizer": 80, "weights_copy": 0}
+    assert not torch.equal(before["a"], model.a)
 
 
 def test_legacy_policy_books_everything_plus_one_more_copy():

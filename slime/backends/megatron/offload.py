@@ -4,10 +4,14 @@ Protocol (one colocated rollout, driven by `slime/train.py`; engine calls by the
 
     engines: release_memory_occupation                       after generate (KV cache, weights, CUDA graphs)
     critic:  wake_up → values → train → sleep                PPO only
-    actor:   wake_up → train → sleep                         `--offload-train`
+    actor:   wake_up → train → sleep(keep_weights)           `--offload-train`; params stay if a sync follows
     engines: resume_memory_occupation(["weights"])           before the weight sync
-    actor:   update_weights (asleep: reads the host copy of its weights)
+    actor:   update_weights (reads its live GPU weights) → sleep: the params go too (`release_weights`)
     engines: resume_memory_occupation(["kv_cache", "cuda_graph"])
+
+Keeping the params through the sync costs no peak: the GPU then holds the trainer's params and the engine's
+weights, far less than the trainer held while training. A sync without a train call before it (start-up,
+critic-only PPO steps) reads the pinned host copy instead, moved back to the GPU tensor by tensor.
 
 (docs/architecture.md#colocated-offload gives the reasons for this order.)
 
@@ -139,6 +143,7 @@ class TrainOffloader:
         self._optimizer: list[tuple[torch.UntypedStorage, int]] = []
         self._optimizer_host: list[torch.UntypedStorage] | None = None  # pinned, allocated at the first sleep
         self.host_weights: dict[str, torch.Tensor] | None = None  # what weight sync reads while asleep
+        self._drowsy = False
         self.rss_asleep = 0
 
     @property
@@ -231,13 +236,20 @@ class TrainOffloader:
     def _step(self, name: str) -> None:
         self.calls.append(name)
 
-    def sleep(self) -> None:
+    @property
+    def drowsy(self) -> bool:
+        """Optimizer state and grads released, weights still live on the GPU (`sleep(keep_weights=True)`)."""
+        return self._drowsy
+
+    def sleep(self, keep_weights: bool = False) -> None:
+        """Release what the trainer holds on the GPU. `keep_weights` (default policy): stop short of the params,
+        so the weight sync that follows reads them on the GPU; a second `sleep()` then releases them too."""
         if not self.enabled or self.asleep:
             return
         if self._model is None:
             raise RuntimeError("TrainOffloader.sleep before attach(model, optimizer)")
         named = list(self._model.named_parameters())
-        if self.legacy:
+        if self.legacy:  # one region: all or nothing
             self._step("copy_params_unpinned")
             self.host_weights = {n: p.detach().to("cpu", copy=True) for n, p in named}
             self.ledger.book("copy_params_unpinned", "weights_copy", host=self.param_bytes)
@@ -252,24 +264,42 @@ class TrainOffloader:
             ):
                 self.ledger.book(f"pause:{LEGACY_TAG}", cat, device=-n, host=n)  # fmt: skip
         else:
+            was_drowsy = self._drowsy
+            if not was_drowsy:
+                self._step("release:grads")
+                for st, _ in self._grads:
+                    st.resize_(0)
+                self.ledger.book("release:grads", "grads", device=-self.grad_bytes)
+                self._step(f"pause:{OPTIMIZER_TAG}")
+                self._offload_optimizer()
+                self.ledger.book(f"pause:{OPTIMIZER_TAG}", "optimizer", device=-self.optimizer_bytes, host=self.optimizer_bytes)  # fmt: skip
+            if keep_weights:
+                self._drowsy = True
+                self._empty_cache()
+                self._record("sleep")
+                return
             self._step("copy_params_to_pinned")
             self._copy_to_host_weights(named)
-            self._step("release:grads")
-            for st, _ in self._grads:
-                st.resize_(0)
-            self.ledger.book("release:grads", "grads", device=-self.grad_bytes)
             self._step("release:params")
             for st, _ in self._params:
                 st.resize_(0)
             self.ledger.book("release:params", "params", device=-self.param_bytes)
-            self._step(f"pause:{OPTIMIZER_TAG}")
-            self._offload_optimizer()
-            self.ledger.book(f"pause:{OPTIMIZER_TAG}", "optimizer", device=-self.optimizer_bytes, host=self.optimizer_bytes)  # fmt: skip
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+            self._drowsy = False
+            if was_drowsy:  # the second half of a sleep already recorded
+                self._empty_cache()
+                self.asleep = True
+                self.rss_asleep = host_rss_bytes()
+                self._record("release_weights")
+                return
+        self._empty_cache()
         self.asleep = True
         self.rss_asleep = host_rss_bytes()
         self._record("sleep")
+
+    @staticmethod
+    def _empty_cache() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def _copy_to_host_weights(self, named: list[tuple[str, torch.nn.Parameter]]) -> None:
         """Refresh the one pinned host copy of the weights (allocated at the first sleep, kept for good)."""
@@ -286,9 +316,9 @@ class TrainOffloader:
             torch.cuda.synchronize()
 
     def wake_up(self) -> None:
-        if not self.enabled or not self.asleep:
+        if not self.enabled or not (self.asleep or self._drowsy):
             return
-        assert self._model is not None and self.host_weights is not None
+        assert self._model is not None and (self.host_weights is not None or self._drowsy)
         named = list(self._model.named_parameters())
         if self.legacy:
             self._step(f"resume:{LEGACY_TAG}")
@@ -311,13 +341,15 @@ class TrainOffloader:
             self._step(f"resume:{OPTIMIZER_TAG}")
             self._restore_optimizer()
             self.ledger.book(f"resume:{OPTIMIZER_TAG}", "optimizer", device=self.optimizer_bytes, host=-self.optimizer_bytes)  # fmt: skip
-            self._step("restore_params")
-            for st, n in self._params:
-                st.resize_(n)
-            with torch.no_grad():
-                for n, p in named:
-                    p.copy_(self.host_weights[n], non_blocking=True)
-            self.ledger.book("restore_params", "params", device=self.param_bytes)
+            if not self._drowsy:  # drowsy: the params never left
+                self._step("restore_params")
+                for st, n in self._params:
+                    st.resize_(n)
+                with torch.no_grad():
+                    for n, p in named:
+                        p.copy_(self.host_weights[n], non_blocking=True)
+                self.ledger.book("restore_params", "params", device=self.param_bytes)
+            self._drowsy = False
             self._step("zero_grads")
             for st, n in self._grads:
                 st.resize_(n)

@@ -1,0 +1,160 @@
+"""Training-step throughput (MFU) of slime's megatron-core model on one GPU (bf16, packed THD batches, SDPA core
+attention, megatron's distributed optimizer).
+
+MFU = (6·N·T + 6·L·H·s·T) / (step time · peak): 6 FLOPs per parameter and token for forward + backward, plus
+causal attention over packed samples of length s; peak 989e12 (H100/H200 dense bf16), the hardware floor the
+table's ratio is taken against. A step is `--micro-batches` packed micro-batches of `--seq` tokens (gradient
+accumulation) and one optimizer step. The Adam implementation is compared: torch's `foreach` AdamW (what
+megatron-core falls back to without TransformerEngine/Apex) and torch's `fused` AdamW.
+
+    export PYTHONPATH=$PWD/.gpu-site:$PWD
+    python -m bench.gpu_train --model 1.8B 0.5B --adam foreach fused --micro-batches 1 4 --out $OUT/gpu_train.json
+
+Prints a table and writes JSON (after every configuration).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from slime.utils.http_utils import find_free_port
+
+PEAK = 989e12
+SHAPES = {
+    # Qwen2-shaped models (hidden, layers, heads, kv heads, ffn, vocab)
+    "1.8B": (2048, 24, 16, 16, 5504, 151936),
+    "0.5B": (1024, 24, 16, 16, 2816, 151936),
+}
+
+
+def use_adam(opt: Any, impl: str) -> None:
+    """Switch the torch AdamW under megatron's optimizer between `foreach` and `fused` (step counters on the GPU,
+    as torch's fused kernel wants them)."""
+    for sub in getattr(opt, "chained_optimizers", None) or [opt]:
+        inner = sub.optimizer
+        for group in inner.param_groups:
+            group["fused"], group["foreach"] = impl == "fused", impl == "foreach"
+            for p in group["params"]:
+                st = inner.state.get(p)
+                if st and "step" in st:
+                    dev = p.device if impl == "fused" else "cpu"
+                    st["step"] = st["step"].to(device=dev, dtype=torch.float32)
+
+
+def run(model_name: str, adam: str, micro_batches: int, a: argparse.Namespace) -> dict[str, Any]:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from slime.arguments import default_args
+    from slime.backends.megatron.hf_config import read_hf_config
+    from slime.backends.megatron.initialize import init_distributed, init_megatron
+    from slime.backends.megatron.model_provider import build_gpt_model
+    from slime.backends.megatron.packing import pack_samples
+
+    hidden, layers, heads, kv, ffn, vocab = SHAPES[model_name]
+    d = tempfile.mkdtemp()
+    cfg = {"model_type": "qwen2", "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+           "num_key_value_heads": kv, "intermediate_size": ffn, "vocab_size": vocab, "rms_norm_eps": 1e-6,
+           "rope_theta": 1e6, "tie_word_embeddings": False, "max_position_embeddings": 32768,
+           "hidden_act": "silu"}  # fmt: skip
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    args = default_args(hf_checkpoint=d, bf16=True)  # one GPU, no parallelism: the parser's defaults
+    if not torch.distributed.is_initialized():
+        init_distributed(args, 0, 1, "127.0.0.1", find_free_port())
+    init_megatron(args)
+    spec = read_hf_config(d)
+    model = build_gpt_model(args, spec).cuda()
+    n_params = sum(p.numel() for p in model.parameters())
+    ddp = DistributedDataParallel(
+        config=model.config,
+        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True),
+        module=model,
+    )
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=1e-5, bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True
+        ),
+        [ddp],
+    )
+    use_adam(opt, adam)
+    per = a.seq // a.samples_per_mb
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(micro_batches):
+        samples = [torch.randint(0, vocab, (per,), generator=g).tolist() for _ in range(a.samples_per_mb)]
+        batches.append(pack_samples(samples, device="cuda"))
+    torch.cuda.reset_peak_memory_stats()
+    times, phases = [], []
+    for step in range(a.steps + 2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        for packed in batches:
+            logits = ddp(packed.tokens, packed.position_ids, None, packed_seq_params=packed.packed_seq_params)
+            loss = torch.nn.functional.cross_entropy(logits[0].float(), packed.tokens[0]) / micro_batches
+            loss.backward()
+        ddp.finish_grad_sync()
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        opt.step()
+        torch.cuda.synchronize()
+        if step >= 2:  # warm-up steps excluded
+            times.append(time.perf_counter() - t0)
+            phases.append((t1 - t0, time.perf_counter() - t1))
+    t = sorted(times)[len(times) // 2]
+    fwd_bwd, opt_t = (sorted(x)[len(x) // 2] for x in zip(*phases, strict=True))
+    tokens = a.seq * micro_batches
+    # attention FLOPs of packed causal samples: 6·L·H·s·T with s the per-sample length
+    flops = 6 * n_params * tokens + 6 * layers * hidden * per * tokens
+    row = {"model": model_name, "adam": adam, "micro_batches": micro_batches, "params": n_params, "seq": a.seq,
+           "samples_per_mb": a.samples_per_mb, "step_s_median": t, "tokens_per_s": tokens / t,
+           "mfu": flops / t / PEAK, "gpu": torch.cuda.get_device_name(),
+           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "forward_backward_s": fwd_bwd,
+           "optimizer_s": opt_t, "mfu_fwd_bwd_only": flops / fwd_bwd / PEAK}  # fmt: skip
+    del opt, ddp, model, batches
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    from bench.requires import require, require_cuda
+
+    require(["megatron.core"], "bash scripts/install.sh (megatron-core is a main dependency)")
+    require_cuda()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", nargs="+", choices=sorted(SHAPES), default=["1.8B"])
+    p.add_argument("--adam", nargs="+", choices=["foreach", "fused"], default=["foreach", "fused"])
+    p.add_argument("--micro-batches", nargs="+", type=int, default=[1, 4], help="per optimizer step")
+    p.add_argument("--seq", type=int, default=4096, help="tokens per packed micro-batch")
+    p.add_argument("--samples-per-mb", type=int, default=1)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--out", default="bench/results/gpu_train.json")
+    a = p.parse_args(argv)
+    rows = []
+    print(f"{'model':>6} {'adam':>8} {'mbs':>4} {'step s':>8} {'fwd+bwd s':>10} {'opt s':>7} {'tok/s':>9} "
+          f"{'MFU':>6} {'×floor':>7} {'MFU w/o opt':>11}", flush=True)  # fmt: skip
+    for model_name in a.model:
+        for mbs in a.micro_batches:
+            for adam in a.adam:
+                r = run(model_name, adam, mbs, a)
+                rows.append(r)
+                print(f"{model_name:>6} {adam:>8} {mbs:>4} {r['step_s_median']:>8.3f} {r['forward_backward_s']:>10.3f} "
+                      f"{r['optimizer_s']:>7.3f} {r['tokens_per_s']:>9.0f} {r['mfu']:>6.1%} {1 / r['mfu']:>7.2f} "
+                      f"{r['mfu_fwd_bwd_only']:>11.1%}", flush=True)  # fmt: skip
+                os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+                with open(a.out, "w") as f:
+                    json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

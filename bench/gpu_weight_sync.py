@@ -1,0 +1,178 @@
+"""Colocated weight sync on one GPU against its floor, the bare CUDA-IPC hand-off of the same bytes.
+
+    export PYTHONPATH=$PWD/.gpu-site:$PWD; python -m bench.gpu_weight_sync --model 1.8B --out $OUT/gpu_weight_sync.json
+
+What it runs (one GPU, megatron-core; no Ray, no router):
+1. a random-init checkpoint of the shape (`bench/gpu_trainer.py`), served by the fake `hf` engine on the same GPU
+   (bf16; it stands in for SGLang and copies each received bucket into its parameters before answering);
+2. a colocated `MegatronTrainer` rank in this process (bf16, `--offload-train`) after one train step;
+3. `--repeats` syncs each way, through the production code (`MegatronTrainer.export_hf` → buckets of
+   `--update-weight-buffer-size` → `TensorWeightSync` → `/update_weights_from_tensor`), the session included:
+   - **live**: as `slime train` syncs after a train call — the trainer half asleep (optimizer state and grads
+     released), the weights read on the GPU; then the second half of the sleep, timed apart;
+   - **host**: as at start-up — the trainer asleep, the weights moved back from its pinned host copy;
+4. the floor: one flat bf16 tensor of the same bytes handed to a second process (pickled as CUDA IPC handles,
+   opened there, copied into a buffer of its own, synchronized, acknowledged).
+After the syncs it checks every tensor's checksum on the engine against the trainer's. Prints a table with each
+way's median and its ratio to the floor, and writes JSON. A bench, not a test: it never asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing.connection
+import pickle
+import platform
+import tempfile
+import time
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+from typing import Any
+
+from bench.gpu_trainer import SHAPES, checkpoint_for, colocated_trainer, log, median, write_json
+
+
+def _receiver(conn: multiprocessing.connection.Connection, numel: int) -> None:
+    """The floor's other side: open each handle, copy into our own buffer, synchronize, answer."""
+    import torch
+
+    dst = torch.empty(numel, dtype=torch.bfloat16, device="cuda")
+    conn.send("ready")
+    while True:
+        msg = conn.recv_bytes()
+        if msg == b"stop":
+            return
+        src = pickle.loads(msg)
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        del src
+        conn.send("done")
+
+
+def bare_handoff(numel: int, repeats: int) -> list[float]:
+    """Seconds per hand-off of `numel` bf16 values to a second process (pickle, open, copy, acknowledge)."""
+    import torch
+    import torch.multiprocessing as mp
+    import torch.multiprocessing.reductions  # noqa: F401 - CUDA tensors pickle as IPC handles
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver, args=(child, numel), daemon=True)
+    proc.start()
+    parent.recv()
+    src = torch.randn(numel, device="cuda").to(torch.bfloat16)
+    torch.cuda.synchronize()
+    times = []
+    try:
+        for _ in range(repeats + 2):  # the first two open the process's CUDA IPC machinery
+            t0 = time.perf_counter()
+            parent.send_bytes(bytes(ForkingPickler.dumps(src)))
+            parent.recv()
+            times.append(time.perf_counter() - t0)
+    finally:
+        parent.send_bytes(b"stop")
+        proc.join(30)
+    return times[2:]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from bench.requires import require, require_cuda
+
+    require(["megatron.core", "aiohttp"], "bash scripts/install.sh (megatron-core is a main dependency)")
+    require_cuda()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=sorted(SHAPES), default="1.8B")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--bucket-mb", type=int, nargs="+", default=None, help="--update-weight-buffer-size values in MiB")
+    p.add_argument("--work", default=None, help="where the checkpoint is built (reused when present)")
+    p.add_argument("--out", default="bench/results/gpu_weight_sync.json")
+    a = p.parse_args(argv)
+
+    import torch
+
+    from sim.fake_sglang.testing import launch_fake_sglang
+    from slime.backends.megatron.weight_hash import WeightMismatch, check_engines, trainer_weight_checksums
+    from slime.backends.megatron.weight_sync import TensorWeightSync
+    from slime.utils.http_utils import find_free_port
+
+    work = Path(a.work or tempfile.mkdtemp(prefix="gpu_bench_"))
+    res: dict[str, Any] = {"model": a.model, "gpu": torch.cuda.get_device_name(), "host": platform.node(),
+                           "date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__}  # fmt: skip
+    log(f"checkpoint {a.model} in {work}")
+    ckpt = checkpoint_for(work, a.model)
+    log("trainer: build + one train step")
+    args, trainer, off = colocated_trainer(ckpt, find_free_port())
+    sizes = [mb * 2**20 for mb in a.bucket_mb] if a.bucket_mb else [args.update_weight_buffer_size]
+    engine_args = ["--engine", "hf", "--model-path", str(ckpt), "--device", "cuda", "--dtype", "bfloat16"]
+    res["by_bucket"] = {}
+    version = 0
+    with launch_fake_sglang(engine_args, timeout=600) as eng:
+        for bucket in sizes:
+            sync = TensorWeightSync([eng.url], bucket)
+            runs: dict[str, list[dict[str, float]]] = {"live": [], "host": []}
+            release: list[float] = []
+            for i in range(a.repeats + 1):  # the first of each way opens connections and warms the allocator
+                off.wake_up()
+                off.sleep(keep_weights=True)  # what the train call leaves behind when a sync follows
+                t0 = time.perf_counter()
+                m = sync.sync(trainer.export_hf(), version := version + 1)
+                m["total_s"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                off.sleep()  # the sleep's second half: params to the pinned copy, released
+                if i:
+                    runs["live"].append(m)
+                    release.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                h = sync.sync(trainer.export_hf(), version := version + 1)  # asleep: from the pinned host copy
+                h["total_s"] = time.perf_counter() - t0
+                if i:
+                    runs["host"].append(h)
+                log(
+                    f"buckets of {bucket / 2**20:.0f} MiB, sync {i}: live {m['total_s']:.4f}s host {h['total_s']:.4f}s"
+                )
+            sync.close()
+            entry: dict[str, Any] = {"release_weights_s": median(release)}
+            for way, ms in runs.items():
+                entry[way] = {k: median([m[k] for m in ms]) for k in ms[0]}
+                entry[way]["all_total_s"] = [m["total_s"] for m in ms]
+            res["by_bucket"][str(bucket)] = entry
+            res["bytes"] = int(runs["live"][0]["weight_sync/bytes"])
+            write_json(a.out, res)
+        try:
+            check_engines([eng.url], trainer_weight_checksums(trainer))
+            res["engine_weights_equal"] = True
+        except WeightMismatch as e:
+            res["engine_weights_equal"], res["mismatch"] = False, str(e)
+    log(f"bare IPC hand-off of {res['bytes'] / 1e9:.2f} GB")
+    bare = bare_handoff(res["bytes"] // 2, a.repeats)
+    res["bare_s"] = {"median": median(bare), "all": bare}
+    write_json(a.out, res)
+    print(report(res))
+    return res
+
+
+def report(res: dict[str, Any]) -> str:
+    floor = res["bare_s"]["median"]
+    gb = res["bytes"] / 1e9
+    lines = [
+        f"weight sync, {res['model']} ({gb:.2f} GB bf16), {res['gpu']}, medians:",
+        "| way | bucket MiB | total s | GB/s | × bare IPC | export s | pack s | post s | session s | buckets |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| bare IPC hand-off (floor) | {gb * 1e9 / 2**20:.0f} | {floor:.4f} | {gb / floor:.0f} | 1.00 | | | | | 1 |",
+    ]
+    for bucket, entry in res["by_bucket"].items():
+        for way, label in (("live", "live GPU weights (after a train call)"), ("host", "pinned host copy (asleep)")):
+            r = entry[way]
+            lines.append(
+                f"| {label} | {int(bucket) / 2**20:.0f} | {r['total_s']:.4f} | {gb / r['total_s']:.0f} | "
+                f"{r['total_s'] / floor:.2f} | {r['weight_sync/export_s']:.4f} | {r['weight_sync/pack_s']:.4f} | "
+                f"{r['weight_sync/post_s']:.4f} | {r['weight_sync/session_s']:.4f} | {r['weight_sync/buckets']:.0f} |"
+            )
+    release = ", ".join(f"{e['release_weights_s']:.4f}" for e in res["by_bucket"].values())
+    lines.append(f"the sleep's second half after a live sync (params to pinned memory, released): {release} s")
+    lines.append(f"engine weights equal the trainer's after the syncs: {res['engine_weights_equal']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
