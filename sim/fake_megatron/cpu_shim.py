@@ -54,6 +54,12 @@ class _CudaToCpuMode(TorchFunctionMode):
             kwargs["pin_memory"] = False
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
+        if func is torch.distributed.all_to_all_single:
+            # MoE's all-to-all dispatcher moves its split sizes to host numpy arrays only when they are on the GPU
+            # (`maybe_move_tensor_to_cpu`); on the CPU they stay tensors, which the c10d binding refuses.
+            for key in ("output_split_sizes", "input_split_sizes"):
+                if isinstance(kwargs.get(key), torch.Tensor):
+                    kwargs[key] = kwargs[key].tolist()
         return func(*args, **kwargs)
 
 
@@ -75,8 +81,64 @@ def _clip_grad_by_total_norm(
             grad.detach().mul_(coeff)
 
 
+class _CpuEvent:
+    """A recorded point on a `_CpuStream`: CPU work is synchronous, so it is always complete."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuStream:
+    """Stands in for `torch.cuda.Stream` (MoE's all-to-all token dispatcher keeps a device-to-host side stream).
+
+    On the CPU every op runs in program order, so waits and events are no-ops; streams compare by identity."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> _CpuEvent:
+        return event if event is not None else _CpuEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+
+_DEFAULT_STREAM = _CpuStream()
+
+
+class _StreamContext:
+    def __init__(self, stream: Any = None) -> None:
+        self.stream = stream
+
+    def __enter__(self) -> Any:
+        return self.stream
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
 def _patch_cuda_runtime() -> None:
     cuda = torch.cuda
+    cuda.Stream = _CpuStream  # classes, not functions: transformers annotates with `torch.cuda.Stream | None`
+    cuda.Event = _CpuEvent
+    cuda.current_stream = lambda device=None: _DEFAULT_STREAM
+    cuda.default_stream = lambda device=None: _DEFAULT_STREAM
+    cuda.stream = _StreamContext
     cuda.current_device = lambda: "cpu"
     cuda.device_count = lambda: 0
     cuda.synchronize = lambda *a, **k: None

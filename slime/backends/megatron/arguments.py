@@ -4,14 +4,12 @@ argparse of its own), plus weight-sync and megatron hook flags."""
 from __future__ import annotations
 
 import argparse
+import os
 
 from slime.utils.errors import SlimeArgError
 
-_PARALLEL_ISSUE = "the trainer runs tensor, pipeline, context and data parallelism for now"
 # Flags whose features are not built yet; setting one is refused before Ray starts (slime/arguments.py).
 UNSUPPORTED = {
-    "expert_model_parallel_size": f"expert parallelism (MoE): {_PARALLEL_ISSUE}",
-    "expert_tensor_parallel_size": f"expert tensor parallelism (MoE): {_PARALLEL_ISSUE}",
     "sequence_parallel": "sequence parallelism: megatron-core 0.16.1's local-spec norm (WrappedTorchNorm) refuses it; "
     "slime has no sequence-parallel norm yet",
 }
@@ -39,8 +37,25 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         help="split every packed micro-batch over this many ranks (zigzag chunks; attention exact across them)",
     )
-    g.add_argument("--expert-model-parallel-size", type=int, default=1)
-    g.add_argument("--expert-tensor-parallel-size", type=int, default=None)
+    g.add_argument(
+        "--expert-model-parallel-size",
+        type=int,
+        default=1,
+        help="MoE: split the experts of every layer over this many ranks (must divide num_experts)",
+    )
+    g.add_argument(
+        "--expert-tensor-parallel-size",
+        type=int,
+        default=None,
+        help="MoE: tensor-parallel size of each expert (default: --tensor-model-parallel-size); only 1 for now",
+    )
+    g.add_argument(
+        "--moe-aux-loss-coeff",
+        type=float,
+        default=None,
+        help="MoE: weight of megatron's router load-balancing (aux) loss in the train loss (default: the "
+        "checkpoint's router_aux_loss_coef; 0 turns the term off, train/moe_load_balancing_loss is logged anyway)",
+    )
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--lr", type=float, default=1e-6)
     g.add_argument("--min-lr", type=float, default=0.0)
@@ -150,6 +165,7 @@ def validate_megatron_args(args: argparse.Namespace) -> None:
         raise SlimeArgError(
             "--context-parallel-size > 1 with --advantage-estimator ppo: the critic is not context-parallel yet"
         )
+    validate_moe_args(args)
     if args.update_weights_interval < 1:
         raise SlimeArgError("--update-weights-interval must be >= 1")
     if args.update_weight_mode == "auto":
@@ -161,3 +177,63 @@ def validate_megatron_args(args: argparse.Namespace) -> None:
         )
     if args.save_interval is not None and args.save_interval <= 0:
         raise SlimeArgError("--save-interval must be > 0")
+
+
+def _moe_spec(args: argparse.Namespace):  # noqa: ANN202 (HFModelSpec | None; hf_config is imported lazily: torch)
+    """The checkpoint's shape when it is an MoE model; None for a dense or unreadable one (checked elsewhere)."""
+    import json
+
+    from slime.backends.megatron.hf_config import MOE_MODEL_TYPES
+
+    path = os.path.join(args.hf_checkpoint or "", "config.json")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict) or cfg.get("model_type") not in MOE_MODEL_TYPES:
+        return None
+    from slime.backends.megatron.hf_config import read_hf_config
+
+    try:
+        return read_hf_config(cfg)
+    except KeyError as e:
+        raise SlimeArgError(f"--hf-checkpoint {args.hf_checkpoint}: config.json has no {e.args[0]!r}") from None
+
+
+def validate_moe_args(args: argparse.Namespace) -> None:
+    """Expert parallelism only for MoE checkpoints, and MoE only in the layouts proven equal to one process
+    (tests/unit/test_moe_*.py); each refusal is one line before Ray starts."""
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    if ep < 1 or (etp is not None and etp < 1):
+        raise SlimeArgError("--expert-model-parallel-size and --expert-tensor-parallel-size must be >= 1")
+    if args.debug_rollout_only:
+        return
+    spec = _moe_spec(args)
+    if spec is None:
+        if ep > 1 or etp is not None:
+            flag = "--expert-model-parallel-size" if ep > 1 else "--expert-tensor-parallel-size"
+            raise SlimeArgError(f"{flag} needs an MoE checkpoint (qwen2_moe, qwen3_moe); --hf-checkpoint is dense")
+        return
+    tp, cp, pp = args.tensor_model_parallel_size, args.context_parallel_size, args.pipeline_model_parallel_size
+    if tp > 1:
+        raise SlimeArgError(
+            "--tensor-model-parallel-size > 1 with an MoE model: megatron-core trains MoE layers under TP only with "
+            "sequence parallelism, which slime does not have yet; use --expert-model-parallel-size instead"
+        )
+    if etp not in (None, 1):
+        raise SlimeArgError("--expert-tensor-parallel-size > 1 is not supported yet (experts are whole on each rank)")
+    if cp > 1 or pp > 1:
+        raise SlimeArgError(
+            "MoE models with --context-parallel-size or --pipeline-model-parallel-size > 1 are not supported yet "
+            "(expert parallelism runs with data parallelism)"
+        )
+    if args.advantage_estimator == "ppo":
+        raise SlimeArgError("--advantage-estimator ppo with an MoE model: the critic is not built for MoE yet")
+    if spec.num_experts % ep:
+        raise SlimeArgError(f"--expert-model-parallel-size {ep} must divide num_experts ({spec.num_experts})")
+    if args.world_size % ep:
+        raise SlimeArgError(
+            f"--expert-model-parallel-size {ep} does not divide the {args.world_size} train GPUs "
+            "(--actor-num-nodes x --actor-num-gpus-per-node)"
+        )

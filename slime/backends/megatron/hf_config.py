@@ -1,10 +1,18 @@
-"""A HF `config.json` (Qwen2 / Qwen3 / Llama / Mistral family) → the shape of a megatron-core GPTModel.
+"""A HF `config.json` (Qwen2 / Qwen3 / Llama / Mistral, Qwen2-MoE / Qwen3-MoE) → the shape of a megatron-core GPTModel.
 
 Why: the model's shape comes only from `--hf-checkpoint` (there are no `--num-layers` style flags), so one
 place turns HF's names into megatron's: `num_key_value_heads` → `num_query_groups`, `rms_norm_eps` →
 `layernorm_epsilon`, `rope_theta` → `rotary_base`, `tie_word_embeddings` → `share_embeddings_and_output_weights`.
 Anything this family mapping cannot express exactly (rope scaling, sliding windows, MLP biases, other
 activations) is refused with a one-line error instead of silently giving different numbers.
+
+MoE (`qwen2_moe`, `qwen3_moe`): `num_experts` → `num_moe_experts`, `num_experts_per_tok` → `moe_router_topk`,
+`moe_intermediate_size` → `moe_ffn_hidden_size`, `shared_expert_intermediate_size` →
+`moe_shared_expert_intermediate_size` (Qwen2-MoE's shared expert, always with its sigmoid gate), and
+`norm_topk_prob` → `moe_router_pre_softmax = not norm_topk_prob`: HF takes a softmax over all experts, then the
+top k, then renormalises them when `norm_topk_prob`; megatron's softmax after the top-k selection is that same
+renormalisation. `router_aux_loss_coef` is the default of `--moe-aux-loss-coeff`. Every layer must be sparse
+(`decoder_sparse_step` 1, no `mlp_only_layers`): mixed dense/MoE stacks are refused.
 
 Vocabulary padding: `VocabParallelEmbedding` needs the vocabulary divisible by TP, so the megatron model's
 vocabulary is `padded_vocab_size(vocab, tp)` (rounded up to a multiple of tp; unchanged when it divides).
@@ -20,13 +28,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from slime.utils.errors import SlimeArgError
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", "qwen2_moe", "qwen3_moe")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,17 @@ class HFModelSpec:
     qkv_bias: bool
     qk_layernorm: bool
     tie_word_embeddings: bool
+    # MoE (None / 0 for dense models)
+    num_experts: int | None = None
+    moe_router_topk: int = 0
+    moe_ffn_hidden_size: int | None = None
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int | None = None  # Qwen2-MoE: one shared expert with a sigmoid gate
+    router_aux_loss_coef: float = 0.0
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_experts)
 
 
 def _load(config: str | os.PathLike | dict[str, Any]) -> dict[str, Any]:
@@ -88,6 +106,7 @@ def read_hf_config(config: str | os.PathLike | dict[str, Any]) -> HFModelSpec:
         raise SlimeArgError("--hf-checkpoint: sliding-window attention is not supported")
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
+    moe = _moe_fields(cfg) if model_type in MOE_MODEL_TYPES else {}
     return HFModelSpec(
         model_type=model_type,
         vocab_size=int(cfg["vocab_size"]),
@@ -101,9 +120,41 @@ def read_hf_config(config: str | os.PathLike | dict[str, Any]) -> HFModelSpec:
         rope_theta=_rope_theta(cfg),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         # Qwen2 always has q/k/v biases (its config has no switch); the others follow `attention_bias`.
-        qkv_bias=True if model_type == "qwen2" else bool(cfg.get("attention_bias", False)),
-        qk_layernorm=model_type == "qwen3",
+        qkv_bias=bool(cfg.get("qkv_bias", True))
+        if model_type in ("qwen2", "qwen2_moe")
+        else bool(cfg.get("attention_bias", False)),
+        qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        **moe,
+    )
+
+
+def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The MoE part of a Qwen2-MoE / Qwen3-MoE config; refuses what megatron's MoE layer would compute differently."""
+    # transformers 5 writes Qwen3-MoE's count as `num_local_experts`; the released checkpoints say `num_experts`
+    num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if num_experts <= 0:
+        raise SlimeArgError(f"--hf-checkpoint: {cfg['model_type']} config has no num_experts")
+    if int(cfg.get("decoder_sparse_step", 1)) != 1 or cfg.get("mlp_only_layers"):
+        raise SlimeArgError(
+            "--hf-checkpoint: MoE configs with dense layers (decoder_sparse_step != 1 or mlp_only_layers) are not "
+            "supported; every layer must be sparse"
+        )
+    topk = int(cfg["num_experts_per_tok"])
+    norm_topk = bool(cfg.get("norm_topk_prob", False))
+    if not 1 <= topk <= num_experts:
+        raise SlimeArgError(f"--hf-checkpoint: num_experts_per_tok {topk} must be in [1, num_experts={num_experts}]")
+    if topk == 1 and norm_topk:
+        # HF renormalises a single expert's weight to 1; megatron's top-1 softmax router keeps the softmax score
+        raise SlimeArgError("--hf-checkpoint: num_experts_per_tok 1 with norm_topk_prob is not supported")
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if cfg["model_type"] == "qwen2_moe" else 0
+    return dict(
+        num_experts=num_experts,
+        moe_router_topk=topk,
+        moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=norm_topk,
+        shared_expert_intermediate_size=shared or None,
+        router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)),
     )
 
 
@@ -114,6 +165,8 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
 
 def transformer_config_kwargs(spec: HFModelSpec, args: Any) -> dict[str, Any]:
     """Keyword arguments for `megatron.core.transformer.TransformerConfig` (shape, parallelism, dtype)."""
+    import torch  # here, not at module level: argument validation reads configs without loading torch
+
     tp = args.tensor_model_parallel_size
     if spec.num_attention_heads % tp or spec.num_query_groups % tp and tp % spec.num_query_groups:
         raise SlimeArgError(
@@ -167,4 +220,43 @@ def transformer_config_kwargs(spec: HFModelSpec, args: Any) -> dict[str, Any]:
         recompute_granularity=args.recompute_granularity,
         recompute_method="uniform" if args.recompute_granularity == "full" else None,
         recompute_num_layers=1 if args.recompute_granularity == "full" else None,
+        **moe_config_kwargs(spec, args),
+    )
+
+
+def moe_aux_loss_coeff(spec: HFModelSpec, args: Any) -> float:
+    """`--moe-aux-loss-coeff`, or the checkpoint's `router_aux_loss_coef` when the flag is not given."""
+    coeff = getattr(args, "moe_aux_loss_coeff", None)
+    return float(spec.router_aux_loss_coef if coeff is None else coeff)
+
+
+def moe_config_kwargs(spec: HFModelSpec, args: Any) -> dict[str, Any]:
+    """The `TransformerConfig` MoE fields ({} for a dense model): HF's router, experts and shared expert."""
+    if not spec.is_moe:
+        return {}
+    if spec.num_experts % args.expert_model_parallel_size:
+        raise SlimeArgError(
+            f"--expert-model-parallel-size {args.expert_model_parallel_size} must divide num_experts "
+            f"({spec.num_experts})"
+        )
+    etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    if spec.moe_ffn_hidden_size % etp:
+        raise SlimeArgError(
+            f"expert tensor parallel size {etp} must divide moe_intermediate_size ({spec.moe_ffn_hidden_size})"
+        )
+    return dict(
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.moe_router_topk,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_router_score_function="softmax",
+        # HF: softmax over all experts, top-k, then renormalised iff norm_topk_prob (= megatron's post-top-k softmax)
+        moe_router_pre_softmax=not spec.norm_topk_prob,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=moe_aux_loss_coeff(spec, args),
+        moe_grouped_gemm=False,  # SequentialMLP: local modules only (grouped GEMM needs TE or the grouped_gemm kernels)
+        moe_shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
+        moe_shared_expert_gate=spec.shared_expert_intermediate_size is not None,
+        moe_shared_expert_overlap=False,
+        moe_permute_fusion=False,
     )

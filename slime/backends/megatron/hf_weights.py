@@ -14,11 +14,19 @@ produce HF-named full tensors that SGLang's loader accepts. The rules, for megat
 - Norms are replicated: `input_layernorm`, `pre_mlp_layernorm` (the local spec's separate norm modules),
   `q_layernorm` / `k_layernorm` (Qwen3), `decoder.final_layernorm`.
 - Pipeline stages hold local layer indices; HF names use global ones (`get_transformer_layer_offset`).
+- MoE layers (Qwen2-MoE / Qwen3-MoE, `SequentialMLP` experts): `mlp.router.weight` is HF's `mlp.gate.weight`
+  (replicated). Expert parallelism: EP rank e holds experts `e * n_local … (e + 1) * n_local - 1` as
+  `mlp.experts.local_experts.{j}`; each expert's `linear_fc1` / `linear_fc2` follow the dense fc1 / fc2 rules
+  over the *expert* tensor-parallel group (ETP, defaults to TP). The shared expert
+  (`mlp.shared_experts.linear_fc1/fc2`, Qwen2-MoE's `mlp.shared_expert.*`) is TP-sharded like a dense MLP; its
+  gate `mlp.shared_experts.gate_weight` is HF's `mlp.shared_expert_gate.weight` (replicated). Export gathers
+  over ETP, then over EP, and yields every expert under its HF name `mlp.experts.{global}.{gate,up,down}_proj`.
 
 Use: `load_hf_weights(model, hf_dir, spec, ps)` right after `build_gpt_model` and before the optimizer is
 built (its fp32 copies are taken from the params). For weight sync,
 `for bucket in export_hf_weights(model, spec, ps, bucket_bytes): ...` yields lists of `(hf_name, tensor)`
-with HF shapes; it is a collective over the TP group (every TP rank must iterate it). Each PP stage yields
+with HF shapes; it is a collective over the TP group, and for MoE over the EP and ETP groups (every rank of
+them must iterate it). Each PP stage yields
 only its own layers (embedding on the first stage, final norm and untied `lm_head` on the last).
 """
 
@@ -29,6 +37,7 @@ import logging
 import os
 import re
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,6 +66,33 @@ _GLOBAL_DIRECT = {
     "output_layer.weight": "lm_head.weight",
 }
 _VOCAB_PARALLEL = {"embedding.word_embeddings.weight", "output_layer.weight"}
+# MoE layers: replicated one-to-one tensors, the shared expert (TP-sharded), the routed experts (EP x ETP)
+_MOE_REPLICATED = {
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
+}
+_SHARED_FC2 = "mlp.shared_experts.linear_fc2.weight"
+_SHARED_FC1 = "mlp.shared_experts.linear_fc1.weight"
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+
+
+@dataclass(frozen=True)
+class ShardRanks:
+    """Where this rank sits for the weight layout: TP for dense and shared-expert tensors, EP x ETP for experts."""
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+    etp_size: int = 1
+    etp_rank: int = 0
+
+    @classmethod
+    def of(cls, ps: ParallelState) -> ShardRanks:
+        return cls(ps.size("tp"), ps.rank("tp"), ps.size("ep"), ps.rank("ep"), ps.size("etp"), ps.rank("etp"))
+
+    def global_expert(self, local: int, spec: HFModelSpec) -> int:
+        return self.ep_rank * (int(spec.num_experts or 0) // self.ep_size) + local
 
 
 # ---------------------------------------------------------------- pure layout helpers (full tensors)
@@ -149,10 +185,9 @@ class HFReader:
 # ---------------------------------------------------------------- HF -> mcore
 
 
-def _hf_shard_for(
-    name: str, reader: HFReader, spec: HFModelSpec, tp_size: int, tp_rank: int, offset: int
-) -> torch.Tensor:
-    """The HF-derived tensor for mcore parameter `name` (local layer index), as this TP rank's shard."""
+def _hf_shard_for(name: str, reader: HFReader, spec: HFModelSpec, ranks: ShardRanks, offset: int) -> torch.Tensor:
+    """The HF-derived tensor for mcore parameter `name` (local layer index), as this rank's shard."""
+    tp_size, tp_rank = ranks.tp_size, ranks.tp_rank
     m = _LAYER.match(name)
     if m is None:
         if name == "output_layer.weight" and spec.tie_word_embeddings:
@@ -175,6 +210,20 @@ def _hf_shard_for(
     if suffix == "mlp.linear_fc1.weight":
         gate, up = reader.get(prefix + "mlp.gate_proj.weight"), reader.get(prefix + "mlp.up_proj.weight")
         return shard_fc1(gate, up, tp_size, tp_rank)
+    if suffix in _MOE_REPLICATED:
+        return reader.get(prefix + _MOE_REPLICATED[suffix])
+    if suffix == _SHARED_FC1:
+        gate = reader.get(prefix + "mlp.shared_expert.gate_proj.weight")
+        return shard_fc1(gate, reader.get(prefix + "mlp.shared_expert.up_proj.weight"), tp_size, tp_rank)
+    if suffix == _SHARED_FC2:
+        return reader.get(prefix + "mlp.shared_expert.down_proj.weight").chunk(tp_size, dim=1)[tp_rank]
+    e = _EXPERT.match(suffix)
+    if e is not None:
+        expert = f"{prefix}mlp.experts.{ranks.global_expert(int(e.group(1)), spec)}."
+        if e.group(2) == "linear_fc1":
+            gate, up = reader.get(expert + "gate_proj.weight"), reader.get(expert + "up_proj.weight")
+            return shard_fc1(gate, up, ranks.etp_size, ranks.etp_rank)
+        return reader.get(expert + "down_proj.weight").chunk(ranks.etp_size, dim=1)[ranks.etp_rank]
     raise KeyError(f"no HF mapping for megatron parameter {name!r}")
 
 
@@ -191,33 +240,50 @@ def load_hf_weights(
 
     Parameters under `skip_prefixes` are left alone (the critic's value head, which the caller fills)."""
     reader = HFReader(hf_dir)
-    tp_size, tp_rank = ps.size("tp"), ps.rank("tp")
+    ranks = ShardRanks.of(ps)
     for model in models if isinstance(models, list) else [models]:
         model = unwrap_model(model)
         offset = layer_offset(model)
         for name, param in model.named_parameters():
             if name.startswith(skip_prefixes):
                 continue
-            shard = _hf_shard_for(name, reader, spec, tp_size, tp_rank, offset)
+            shard = _hf_shard_for(name, reader, spec, ranks, offset)
             if tuple(shard.shape) != tuple(param.shape):
                 raise ValueError(f"{name}: HF gives shape {tuple(shard.shape)}, model has {tuple(param.shape)}")
             param.copy_(shard.to(param.dtype))
-    logger.info("loaded HF weights from %s (tp %d/%d)", hf_dir, tp_rank, tp_size)
+    logger.info("loaded HF weights from %s (%s)", hf_dir, ranks)
 
 
 # ---------------------------------------------------------------- mcore -> HF
 
 
-def _gather_tp(t: torch.Tensor, ps: ParallelState) -> list[torch.Tensor]:
-    if ps.size("tp") == 1:
+def _gather_tp(t: torch.Tensor, ps: ParallelState, dim: str = "tp") -> list[torch.Tensor]:
+    if ps.size(dim) == 1:
         return [t]
-    return ps.all_gather(t.contiguous(), "tp")
+    return ps.all_gather(t.contiguous(), dim)
+
+
+def _expert_tensors(
+    prefix: str, local: int, kind: str, shard: torch.Tensor, spec: HFModelSpec, ps: ParallelState
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Local expert `local`'s fc1 / fc2 shard → the full HF tensors of that slot on every EP rank (ETP, EP gathers)."""
+    per_ep = _gather_tp(shard, ps, "ep")  # EP rank r's local expert `local` is global expert r * n_local + local
+    n_local = int(spec.num_experts or 0) // ps.size("ep")
+    for r, s in enumerate(per_ep):
+        expert = f"{prefix}mlp.experts.{r * n_local + local}."
+        if kind == "linear_fc1":
+            gate, up = unshard_fc1(_gather_tp(s, ps, "etp"))
+            yield expert + "gate_proj.weight", gate
+            yield expert + "up_proj.weight", up
+        else:
+            yield expert + "down_proj.weight", torch.cat(_gather_tp(s, ps, "etp"), dim=1)
 
 
 def iter_hf_tensors(
     named_tensors: Iterable[tuple[str, torch.Tensor]], spec: HFModelSpec, ps: ParallelState, offset: int = 0
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(mcore local name, local shard) → (HF name, full tensor), gathering TP shards. A TP collective.
+    """(mcore local name, local shard) → (HF name, full tensor), gathering TP shards (and EP x ETP shards of
+    MoE experts). A collective over those groups.
 
     `named_tensors` may come from a live model (`model.named_parameters()`) or from a host-side backup
     with the same names; every TP rank must pass the same names in the same order.
@@ -248,6 +314,16 @@ def iter_hf_tensors(
             gate, up = unshard_fc1(_gather_tp(shard, ps))
             yield prefix + "mlp.gate_proj.weight", gate
             yield prefix + "mlp.up_proj.weight", up
+        elif suffix in _MOE_REPLICATED:
+            yield prefix + _MOE_REPLICATED[suffix], shard
+        elif suffix == _SHARED_FC1:
+            gate, up = unshard_fc1(_gather_tp(shard, ps))
+            yield prefix + "mlp.shared_expert.gate_proj.weight", gate
+            yield prefix + "mlp.shared_expert.up_proj.weight", up
+        elif suffix == _SHARED_FC2:
+            yield prefix + "mlp.shared_expert.down_proj.weight", torch.cat(_gather_tp(shard, ps), dim=1)
+        elif (e := _EXPERT.match(suffix)) is not None:
+            yield from _expert_tensors(prefix, int(e.group(1)), e.group(2), shard, spec, ps)
         else:
             raise KeyError(f"no HF mapping for megatron parameter {name!r}")
 

@@ -40,10 +40,29 @@ logger = logging.getLogger(__name__)
 
 
 def gpt_layer_spec(spec: HFModelSpec) -> ModuleSpec:
-    """megatron-core's local GPT layer spec (RMSNorm, SwiGLU MLP) with `SDPACoreAttention` as core attention."""
-    layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_layernorm)
+    """megatron-core's local GPT layer spec (RMSNorm, SwiGLU MLP) with `SDPACoreAttention` as core attention.
+
+    MoE checkpoints get megatron's MoE layer from the same local spec: `TopKRouter`, `SequentialMLP` experts (one
+    local `MLP` per expert: no grouped GEMM, which needs TE or the grouped_gemm kernels) and, for Qwen2-MoE, a
+    `SharedExpertMLP` with its gate."""
+    layer = get_gpt_layer_local_spec(
+        num_experts=spec.num_experts if spec.is_moe else None,
+        moe_grouped_gemm=False,
+        normalization="RMSNorm",
+        qk_layernorm=spec.qk_layernorm,
+    )
     layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return layer
+
+
+def _moe_without_transformer_engine() -> None:
+    """megatron-core 0.16.1's router GEMM (`moe_utils.RouterGatingLinearFunction`) tests `te_general_gemm is not
+    None`, but the name is only bound when TransformerEngine imports: without TE every MoE forward raises
+    NameError. Bind it to None (megatron's own torch.mm fallback) when TE did not."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def build_transformer_config(args: Any, spec: HFModelSpec, **overrides: Any) -> TransformerConfig:
@@ -70,6 +89,8 @@ def build_gpt_model(
     """
     spec = spec or read_hf_config(args.hf_checkpoint)
     config = config or build_transformer_config(args, spec)
+    if spec.is_moe:
+        _moe_without_transformer_engine()
     if pre_process is None:
         pre_process = mpu.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     if post_process is None:
