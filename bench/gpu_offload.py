@@ -59,6 +59,18 @@ def device_state() -> dict[str, float]:
     }
 
 
+def bare_process_gib() -> float:
+    """GPU memory of a process that only made a CUDA context and ran one bf16 matmul (cuBLAS workspace)."""
+    import subprocess
+    import sys
+
+    code = ("import torch; a = torch.randn(4096, 4096, device='cuda', dtype=torch.bfloat16); (a @ a).sum().item(); "
+            "torch.cuda.synchronize(); f, t = torch.cuda.mem_get_info(); print((t - f) / 2**30)")  # fmt: skip
+    ours = device_state()["device_used_gib"]  # the device is shared with this process: count the difference
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    return float(out.stdout.strip().splitlines()[-1]) - ours if out.returncode == 0 else float("nan")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from bench.requires import require, require_cuda
 
@@ -109,7 +121,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         halves.append((t1 - t0, time.perf_counter() - t1))
         off.wake_up()
     res["host_asleep_bytes"] = sum(off.ledger.host.values())
+    # what the sleeping process's fixed part is made of: without its NCCL communicators, and a bare process
+    off.sleep()
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    res["asleep_without_process_groups"] = device_state()
+    off.wake_up()
     del trainer
+    res["bare_process"] = bare_process_gib()
     log(f"pinned PCIe probe, {a.probe_gib:.0f} GiB")
     bw = pinned_bandwidth(int(a.probe_gib * GIB))
     moved = off.optimizer_bytes + off.param_bytes  # each way: what leaves at sleep and comes back at wake-up
@@ -140,7 +160,9 @@ def report(res: dict[str, Any]) -> str:
         f"pinned PCIe: {res['pcie_gbps']['d2h']:.1f} GB/s device→host, {res['pcie_gbps']['h2d']:.1f} GB/s host→device",
         f"a sleep in two halves (a weight sync between them): {res['first_half_s']:.3f} s + {res['second_half_s']:.3f} s",
         f"GPU while asleep: {s['device_used_gib']:.2f} GiB used on the device (awake {res['awake']['device_used_gib']:.2f}), "
-        f"allocator reserved {s['reserved_gib']:.2f} GiB, allocated {s['allocated_gib']:.3f} GiB",
+        f"allocator reserved {s['reserved_gib']:.2f} GiB, allocated {s['allocated_gib']:.3f} GiB (paused regions count "
+        f"as allocated); without its process groups {res['asleep_without_process_groups']['device_used_gib']:.2f} GiB; "
+        f"a bare process (CUDA context + one cuBLAS matmul) {res['bare_process']:.2f} GiB",
     ])  # fmt: skip
 
 

@@ -227,9 +227,14 @@ class HFEngine(Engine):
                 raise BadRequest(f"shape mismatch for {n}: got {tuple(t.shape)}, want {tuple(params[n].shape)}")
         async with self.step_lock:
             self._kv = None  # keys/values of the old weights
+            dst = [params[n].data for n, _ in named]
+            src = [t for _, t in named]
             with torch.no_grad():
-                for n, t in named:
-                    params[n].data.copy_(t, non_blocking=True)  # copy_ casts dtype and moves device itself
+                if all(d.dtype == t.dtype and d.device == t.device for d, t in zip(dst, src, strict=True)):
+                    torch._foreach_copy_(dst, src)  # one grouped launch: a sync sends hundreds of tensors
+                else:
+                    for d, t in zip(dst, src, strict=True):
+                        d.copy_(t, non_blocking=True)  # copy_ casts dtype and moves device itself
             if torch.device(self.device).type == "cuda":
                 torch.cuda.synchronize(self.device)
 

@@ -126,7 +126,7 @@ def shard_fc1(gate: torch.Tensor, up: torch.Tensor, tp_size: int, tp_rank: int) 
 def unshard_fc1(shards: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-rank `linear_fc1` shards (TP order) → full HF (gate, up)."""
     halves = [s.chunk(2, dim=0) for s in shards]
-    return torch.cat([g for g, _ in halves], dim=0), torch.cat([u for _, u in halves], dim=0)
+    return _cat([g for g, _ in halves], dim=0), _cat([u for _, u in halves], dim=0)
 
 
 def pad_vocab(weight: torch.Tensor, padded: int) -> torch.Tensor:
@@ -257,6 +257,12 @@ def load_hf_weights(
 # ---------------------------------------------------------------- mcore -> HF
 
 
+def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """`torch.cat`, but one part is returned as it is: without TP the export yields views of the live
+    parameters, and the weight sync copies each once, straight into its bucket (weight_buckets.flatten)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
 def _gather_tp(t: torch.Tensor, ps: ParallelState, dim: str = "tp") -> list[torch.Tensor]:
     if ps.size(dim) == 1:
         return [t]
@@ -276,7 +282,7 @@ def _expert_tensors(
             yield expert + "gate_proj.weight", gate
             yield expert + "up_proj.weight", up
         else:
-            yield expert + "down_proj.weight", torch.cat(_gather_tp(s, ps, "etp"), dim=1)
+            yield expert + "down_proj.weight", _cat(_gather_tp(s, ps, "etp"), dim=1)
 
 
 def iter_hf_tensors(
@@ -296,17 +302,17 @@ def iter_hf_tensors(
         if m is None:
             if name == "output_layer.weight" and spec.tie_word_embeddings:
                 continue  # a tied last stage's copy of the embedding; HF has no separate lm_head
-            full = torch.cat(_gather_tp(shard, ps), dim=0) if name in _VOCAB_PARALLEL else shard
+            full = _cat(_gather_tp(shard, ps), dim=0) if name in _VOCAB_PARALLEL else shard
             yield _GLOBAL_DIRECT[name], full[: spec.vocab_size] if name in _VOCAB_PARALLEL else full
             continue
         prefix = f"model.layers.{int(m.group(1)) + offset}."
         suffix = m.group(2)
         if suffix in _LAYER_DIRECT:
-            full = torch.cat(_gather_tp(shard, ps), dim=1) if suffix in _ROW_PARALLEL else shard
+            full = _cat(_gather_tp(shard, ps), dim=1) if suffix in _ROW_PARALLEL else shard
             yield prefix + _LAYER_DIRECT[suffix], full
         elif suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
             kind = suffix.rsplit(".", 1)[1]
-            qkv = torch.cat(_gather_tp(shard, ps), dim=0)
+            qkv = _cat(_gather_tp(shard, ps), dim=0)
             parts = split_qkv(qkv, spec.num_query_groups, spec.num_attention_heads, spec.kv_channels)
             for p, t in zip("qkv", parts, strict=True):
                 yield f"{prefix}self_attn.{p}_proj.{kind}", t
@@ -321,7 +327,7 @@ def iter_hf_tensors(
             yield prefix + "mlp.shared_expert.gate_proj.weight", gate
             yield prefix + "mlp.shared_expert.up_proj.weight", up
         elif suffix == _SHARED_FC2:
-            yield prefix + "mlp.shared_expert.down_proj.weight", torch.cat(_gather_tp(shard, ps), dim=1)
+            yield prefix + "mlp.shared_expert.down_proj.weight", _cat(_gather_tp(shard, ps), dim=1)
         elif (e := _EXPERT.match(suffix)) is not None:
             yield from _expert_tensors(prefix, int(e.group(1)), e.group(2), shard, spec, ps)
         else:

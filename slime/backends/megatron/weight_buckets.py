@@ -55,13 +55,23 @@ def _metadata_class() -> type:
     return cls
 
 
-def flatten(bucket: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[Any]]:
-    """One 1-D tensor of the bucket's dtype holding every tensor back to back, and where each one lies."""
-    flat = torch.cat([t.detach().reshape(-1) for _, t in bucket])
+def flatten(
+    bucket: list[tuple[str, torch.Tensor]], buffer: torch.Tensor | None = None
+) -> tuple[torch.Tensor, list[Any]]:
+    """One 1-D tensor of the bucket's dtype holding every tensor back to back, and where each one lies.
+
+    `buffer` (1-D, the bucket's dtype and device, large enough): the tensors are copied into its head, which is
+    returned — one copy per tensor straight into its slot, strided views included (no intermediate `reshape`
+    copies), and no new allocation per bucket. Without it a new tensor is made."""
     meta, start, cls = [], 0, _metadata_class()
     for name, t in bucket:
         meta.append(cls(name, t.shape, t.dtype, start, start + t.numel(), t.numel()))
         start += t.numel()
+    if buffer is None:
+        return torch.cat([t.detach().reshape(-1) for _, t in bucket]), meta
+    flat = buffer[:start]
+    slots = [flat[m.start_idx : m.end_idx].view(m.shape) for m in meta]
+    torch._foreach_copy_(slots, [t.detach() for _, t in bucket])  # one grouped launch instead of one per tensor
     return flat, meta
 
 

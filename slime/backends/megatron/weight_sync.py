@@ -101,7 +101,11 @@ class TensorWeightSync:
 
         for bucket in buckets_by_dtype(timed(named_tensors), self.bucket_bytes):
             t0 = time.perf_counter()
-            flat, meta = flatten(bucket)
+            # a new buffer per bucket, never a reused one: torch keeps a block shared over CUDA IPC out of its
+            # allocator's reach until the engine has let go of it, whatever the engine's stream is still doing
+            first = bucket[0][1]
+            buffer = torch.empty(sum(t.numel() for _, t in bucket), dtype=first.dtype, device=first.device)
+            flat, meta = flatten(bucket, buffer)
             payload = serialize({"flattened_tensor": flat, "metadata": meta}) if self.groups else None
             seconds["pack"] += time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -119,7 +123,7 @@ class TensorWeightSync:
                     dist.barrier(group=group)  # the engine has copied every rank's bucket: they may go
             seconds["post"] += time.perf_counter() - t0
             num_buckets += 1
-            del flat, payload
+            del flat, buffer, payload
         end_weight_sync(clients)
         total = time.perf_counter() - t_start
         if clients:
