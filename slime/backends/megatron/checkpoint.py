@@ -103,14 +103,14 @@ def finish_save(root: str, rollout_id: int, meta: dict[str, Any]) -> str:
 
 
 # ---- trainer state (collective over all training ranks) -----------------------------------------------------
-def _sub_optimizers(optimizer: Any) -> list[Any]:
+def sub_optimizers(optimizer: Any) -> list[Any]:
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
 def _optimizer_steps(optimizer: Any) -> list[float | None]:
     """The torch-native Adam `step` of each sub-optimizer (all params share it), None where not kept per param."""
     steps: list[float | None] = []
-    for opt in _sub_optimizers(optimizer):
+    for opt in sub_optimizers(optimizer):
         values = {float(st["step"]) for st in opt.optimizer.state.values() if "step" in st}
         steps.append(values.pop() if len(values) == 1 else None)
     return steps
@@ -120,7 +120,7 @@ def allocate_optimizer_state(optimizer: Any) -> None:
     """Allocate Adam state (zeros, step 0 — what torch's Adam creates lazily at its first step) where none
     exists yet: a fresh optimizer can then describe itself for loading, and with `--offload-train` the moments
     land inside the pausable memory region instead of after it."""
-    for opt in _sub_optimizers(optimizer):
+    for opt in sub_optimizers(optimizer):
         inner = opt.optimizer
         for group in inner.param_groups:
             for p in group["params"]:
@@ -139,7 +139,7 @@ def _fix_group_index_map(optimizer: Any) -> None:
     which happens with `--bf16` here, as the local spec's torch norms keep fp32 weights (Megatron-LM wraps the
     model in Float16Module, so it never sees a mixed group). Only checkpointing reads the map.
     """
-    for opt in _sub_optimizers(optimizer):
+    for opt in sub_optimizers(optimizer):
         if not hasattr(opt, "model_param_group_index_map") or not hasattr(opt, "model_fp32_groups"):
             continue
         for gi, (fp32, fp16) in enumerate(zip(opt.model_fp32_groups, opt.model_float16_groups, strict=True)):
@@ -148,7 +148,7 @@ def _fix_group_index_map(optimizer: Any) -> None:
 
 
 def _restore_steps(optimizer: Any, steps: list[float | None]) -> None:
-    for opt, step in zip(_sub_optimizers(optimizer), steps, strict=False):
+    for opt, step in zip(sub_optimizers(optimizer), steps, strict=False):
         if step is None:
             continue
         for st in opt.optimizer.state.values():

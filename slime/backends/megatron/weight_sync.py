@@ -17,6 +17,8 @@ import base64
 import io
 import logging
 import pickle
+import queue
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -82,49 +84,47 @@ class TensorWeightSync:
             c.close()
 
     def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int) -> dict[str, float]:
-        """Every rank calls this with the same stream of HF-named tensors; returns what the leaders posted."""
+        """Every rank calls this with the same stream of HF-named tensors; returns what the leaders posted.
+
+        Pipelined: a thread converts and packs the buckets (`_packed`) while this one opens the session and posts
+        the bucket before, so the engines' work and the HTTP round trips hide the export's. At most two packed
+        buckets wait, so the memory bound stays a few buckets."""
         clients = list(self.clients.values())
         t_start = time.perf_counter()
-        begin_weight_sync(clients)
+        seconds = {"export": 0.0, "pack": 0.0, "post": 0.0, "wait": 0.0}
+        ready: queue.Queue[Any] = queue.Queue(maxsize=2)
+        stop = threading.Event()
+        producer = threading.Thread(
+            target=self._produce, args=(named_tensors, ready, stop, seconds), name="weight-sync-pack", daemon=True
+        )
+        producer.start()
         num_bytes = num_buckets = 0
-        seconds = {"export": 0.0, "pack": 0.0, "post": 0.0}  # conversion (+ H2D) | flatten + serialize | engines
-
-        def timed(it: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-            it = iter(it)
+        try:
+            t0 = time.perf_counter()
+            begin_weight_sync(clients)
+            session = time.perf_counter() - t0
             while True:
                 t0 = time.perf_counter()
-                item = next(it, None)
-                seconds["export"] += time.perf_counter() - t0
+                item = ready.get()
+                seconds["wait"] += time.perf_counter() - t0
                 if item is None:
-                    return
-                yield item
-
-        for bucket in buckets_by_dtype(timed(named_tensors), self.bucket_bytes):
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                bucket_bytes, payload, _flat = item  # _flat: alive until the engines have copied out of it
+                t0 = time.perf_counter()
+                self._post(payload, weight_version)
+                seconds["post"] += time.perf_counter() - t0
+                if self.clients:
+                    num_bytes += bucket_bytes * len(self.clients)
+                num_buckets += 1
+                del item, payload, _flat  # the engines have copied it: the bucket's memory may go
             t0 = time.perf_counter()
-            # a new buffer per bucket, never a reused one: torch keeps a block shared over CUDA IPC out of its
-            # allocator's reach until the engine has let go of it, whatever the engine's stream is still doing
-            first = bucket[0][1]
-            buffer = torch.empty(sum(t.numel() for _, t in bucket), dtype=first.dtype, device=first.device)
-            flat, meta = flatten(bucket, buffer)
-            payload = serialize({"flattened_tensor": flat, "metadata": meta}) if self.groups else None
-            seconds["pack"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            for e, group in self.groups.items():
-                ranks = e.ranks(self.world_size)
-                gathered: list[Any] = [payload]
-                if group is not None:
-                    gathered = [None] * len(ranks) if self._leads(e) else None  # type: ignore[assignment]
-                    dist.gather_object(payload, gathered, dst=ranks[0], group=group)
-                if self._leads(e):
-                    entries = gathered + [gathered[0]] * (e.num_gpus - len(gathered))
-                    self.clients[e].update_weights_from_tensor(entries, str(weight_version))
-                    num_bytes += bucket_nbytes(bucket)
-                if group is not None:
-                    dist.barrier(group=group)  # the engine has copied every rank's bucket: they may go
-            seconds["post"] += time.perf_counter() - t0
-            num_buckets += 1
-            del flat, buffer, payload
-        end_weight_sync(clients)
+            end_weight_sync(clients)
+            session += time.perf_counter() - t0
+        finally:
+            stop.set()
+            producer.join()
         total = time.perf_counter() - t_start
         if clients:
             logger.info("weight version %d: %d buckets, %.1f MiB to %d engine(s) in %.3fs", weight_version,
@@ -132,8 +132,72 @@ class TensorWeightSync:
         return {
             "weight_sync/bytes": float(num_bytes),
             "weight_sync/buckets": float(num_buckets),
-            "weight_sync/export_s": seconds["export"],
-            "weight_sync/pack_s": seconds["pack"],
-            "weight_sync/post_s": seconds["post"],
-            "weight_sync/session_s": total - sum(seconds.values()),  # pause, flush, begin/end, continue
+            "weight_sync/export_s": seconds["export"],  # conversion (and host-to-device copies while asleep)
+            "weight_sync/pack_s": seconds["pack"],  # copies into the flat buckets, serialization
+            "weight_sync/post_s": seconds["post"],  # the engines' requests (gathers to the leader included)
+            "weight_sync/wait_s": seconds["wait"],  # posting waited for the packer: what the pipeline did not hide
+            "weight_sync/session_s": session,  # pause, flush, begin ... end, flush, continue
         }
+
+    def _produce(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        ready: queue.Queue[Any],
+        stop: threading.Event,
+        seconds: dict[str, float],
+    ) -> None:
+        """The packer thread: (bytes, payload, flat tensor) per bucket into `ready`, then None (or the exception
+        raised). The sender keeps each flat tensor alive until its post returned: the engines read it in place."""
+
+        def put(item: Any) -> bool:
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        try:
+            it = iter(named_tensors)
+
+            def timed() -> Iterator[tuple[str, torch.Tensor]]:
+                while True:
+                    t0 = time.perf_counter()
+                    item = next(it, None)
+                    seconds["export"] += time.perf_counter() - t0
+                    if item is None:
+                        return
+                    yield item
+
+            for bucket in buckets_by_dtype(timed(), self.bucket_bytes):
+                t0 = time.perf_counter()
+                # a new buffer per bucket, never a reused one: torch keeps a block shared over CUDA IPC out of its
+                # allocator's reach until the engine has let go of it, whatever the engine's stream is still doing
+                first = bucket[0][1]
+                buffer = torch.empty(sum(t.numel() for _, t in bucket), dtype=first.dtype, device=first.device)
+                flat, meta = flatten(bucket, buffer)
+                payload = serialize({"flattened_tensor": flat, "metadata": meta}) if self.groups else None
+                seconds["pack"] += time.perf_counter() - t0
+                nbytes = bucket_nbytes(bucket)
+                del bucket, buffer
+                if not put((nbytes, payload, flat)):
+                    return
+                del flat, payload
+            put(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the posting thread, which raises it
+            put(e)
+
+    def _post(self, payload: str | None, weight_version: int) -> None:
+        """This rank's payload of one bucket to each of its engines (gathered to the engine's leader first)."""
+        for e, group in self.groups.items():
+            ranks = e.ranks(self.world_size)
+            gathered: list[Any] = [payload]
+            if group is not None:
+                gathered = [None] * len(ranks) if self._leads(e) else None  # type: ignore[assignment]
+                dist.gather_object(payload, gathered, dst=ranks[0], group=group)
+            if self._leads(e):
+                entries = gathered + [gathered[0]] * (e.num_gpus - len(gathered))
+                self.clients[e].update_weights_from_tensor(entries, str(weight_version))
+            if group is not None:
+                dist.barrier(group=group)  # the engine has copied every rank's bucket: they may go
