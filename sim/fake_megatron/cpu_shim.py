@@ -54,12 +54,6 @@ class _CudaToCpuMode(TorchFunctionMode):
             kwargs["pin_memory"] = False
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
-        if func is torch.distributed.all_to_all_single:
-            # MoE's all-to-all dispatcher moves its split sizes to host numpy arrays only when they are on the GPU
-            # (`maybe_move_tensor_to_cpu`); on the CPU they stay tensors, which the c10d binding refuses.
-            for key in ("output_split_sizes", "input_split_sizes"):
-                if isinstance(kwargs.get(key), torch.Tensor):
-                    kwargs[key] = kwargs[key].tolist()
         return func(*args, **kwargs)
 
 
@@ -151,6 +145,23 @@ def _patch_cuda_runtime() -> None:
     cuda.set_rng_state = cuda.random.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
 
 
+def _all_to_all_single_with_host_splits(original: Any) -> Any:
+    """MoE's all-to-all dispatcher moves its split sizes to host numpy arrays only when they are on the GPU
+    (`maybe_move_tensor_to_cpu`); on the CPU they stay tensors, which the c10d binding refuses. Patched on the
+    module (not in the function mode): the backward all-to-all runs where the mode is not active."""
+
+    def all_to_all_single(output: Any, input: Any, output_split_sizes: Any = None, input_split_sizes: Any = None,
+                          *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+        if isinstance(output_split_sizes, torch.Tensor):
+            output_split_sizes = output_split_sizes.tolist()
+        if isinstance(input_split_sizes, torch.Tensor):
+            input_split_sizes = input_split_sizes.tolist()
+        return original(output, input, output_split_sizes, input_split_sizes, *args, **kwargs)
+
+    all_to_all_single._slime_cpu_shim = True  # type: ignore[attr-defined]
+    return all_to_all_single
+
+
 def _patch_megatron() -> None:
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as mopt
@@ -159,6 +170,8 @@ def _patch_megatron() -> None:
     mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm
+    if not getattr(torch.distributed.all_to_all_single, "_slime_cpu_shim", False):
+        torch.distributed.all_to_all_single = _all_to_all_single_with_host_splits(torch.distributed.all_to_all_single)
     mopt.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm  # imported by name there
     # With the CPU generator standing in for CUDA's, every tracker fork "changes the CPU RNG state".
     logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)

@@ -109,6 +109,8 @@ def build_gpt_model(
         vp_stage=vp_stage,
     )
     use_positional_rope(model)  # slime's packed rows number their tokens themselves (packing.py, rope.py)
+    if spec.is_moe:
+        track_router_balance(model)
     logger.info(
         "built GPTModel (%s, %d layers, pre=%s post=%s vp_stage=%s): %d local params",
         spec.model_type,
@@ -119,6 +121,66 @@ def build_gpt_model(
         sum(p.numel() for p in model.parameters()),
     )
     return model
+
+
+# megatron's tracker name for the router's switch load-balancing loss (moe_utils.save_to_aux_losses_tracker)
+_BALANCE = "load_balancing_loss"
+
+
+def track_router_balance(model: torch.nn.Module) -> None:
+    """Record every router's load-balancing loss in megatron's aux-loss tracker even when it is no loss term.
+
+    Why: megatron computes (and tracks) the switch load-balancing loss only when `--moe-aux-loss-coeff` > 0, but
+    expert imbalance is worth watching in any RL run. Routers without the loss term get a forward hook that
+    computes the same quantity with megatron's functions, without gradient, on training forwards only (as
+    megatron does); `moe_load_balancing_loss` reads both kinds."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    for module in model.modules():
+        if isinstance(module, TopKRouter) and not module.is_aux_loss_enabled():
+            module.register_forward_hook(_record_balance)
+
+
+def _record_balance(router: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    if not (router.training and torch.is_grad_enabled()):
+        return
+    from megatron.core.transformer.moe import moe_utils
+
+    experts, topk = router.config.num_moe_experts, router.topk
+    with torch.no_grad():
+        logits = router.gating(inputs[0]).view(-1, experts)
+        routing_map, scores = moe_utils.compute_routing_scores_for_aux_loss(logits, topk, router.score_function)
+        per_expert, _, total = moe_utils.get_tokens_per_expert_and_token_count(
+            routing_map, router.tp_cp_group, topk=topk
+        )
+        loss = moe_utils.switch_load_balancing_loss_func(scores, per_expert, total, topk, experts, 1.0)
+    moe_utils.save_to_aux_losses_tracker(
+        _BALANCE, loss, router.layer_number, router.config.num_layers, reduce_group=router.tp_cp_group
+    )
+
+
+def clear_moe_tracker() -> None:
+    """Forget what the routers recorded (before an optimizer step's forward-backward)."""
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+    clear_aux_losses_tracker()
+
+
+def moe_load_balancing_loss(ps: Any, num_microbatches: int, num_layers: int) -> float:
+    """The routers' switch load-balancing loss since `clear_moe_tracker`, per layer and micro-batch, as megatron
+    logs it (without its coefficient): summed over TP × CP (each rank holds its tokens' share) and PP (each stage
+    its layers), averaged over DP. A collective over those groups; clears the tracker."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    tracker = get_moe_layer_wise_logging_tracker().get(_BALANCE)
+    values = torch.zeros(num_layers, dtype=torch.float64)
+    if tracker is not None:
+        values += tracker["values"].detach().to("cpu", torch.float64)
+    for dim in ("tp", "cp", "pp"):
+        ps.all_reduce(values, "sum", dim)
+    ps.all_reduce(values, "avg", "dp")
+    clear_moe_tracker()
+    return float(values.sum()) / (max(num_microbatches, 1) * num_layers)
 
 
 def model_provider(args: Any, spec: HFModelSpec | None = None) -> Callable[..., GPTModel]:

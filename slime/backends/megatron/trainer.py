@@ -36,7 +36,12 @@ from slime.backends.megatron.context_parallel import (
 from slime.backends.megatron.hf_config import read_hf_config
 from slime.backends.megatron.hf_weights import export_hf_weights, load_hf_weights, unwrap_model
 from slime.backends.megatron.initialize import init_distributed, init_megatron, run_custom_megatron_init
-from slime.backends.megatron.model_provider import build_gpt_model, mask_padded_vocab
+from slime.backends.megatron.model_provider import (
+    build_gpt_model,
+    clear_moe_tracker,
+    mask_padded_vocab,
+    moe_load_balancing_loss,
+)
 from slime.backends.megatron.offload import PhaseMemory, no_region
 from slime.backends.megatron.packing import PackedBatch, pack_samples
 from slime.backends.megatron.pipeline_runs import ModelChunks, current_device
@@ -289,13 +294,22 @@ class MegatronTrainer(ModelChunks):
         for mb in mbs:
             mb[key] = [None] * len(mb["tokens"])
         batches = [(b, t) for b, t in self._logprob_batches(mbs) if b["tokens"]]
+        if self.ps.size("ep") > 1:  # MoE: the token all-to-all is an EP collective, so every EP rank runs as many
+            batches += [({"tokens": []}, [])] * self._ep_padding(len(batches))  # forwards (a dummy row each)
         if self.ps.size("pp") > 1:
             self._pipelined_logprobs(batches, mbs, key)
         for batch, targets in batches if self.ps.size("pp") == 1 else []:
             logits, packed = self._forward_logits(batch)
+            if not batch["tokens"]:  # an EP padding forward: nothing to score
+                continue
             for (j, p), x in zip(targets, self._batch_logprobs(logits, batch, packed), strict=True):
                 mbs[j][key][p] = x  # computed under no_grad: nothing to detach
         self._set_mode(True)
+
+    def _ep_padding(self, count: int) -> int:
+        """How many empty forwards this rank adds so that its EP group runs the same number."""
+        most = self.ps.all_reduce(torch.tensor([count], dtype=torch.float64), "max", "ep")
+        return int(most.item()) - count
 
     def _batch_logprobs(self, logits: torch.Tensor, batch: dict[str, Any], packed: PackedBatch) -> list[torch.Tensor]:
         """Whole per-sample response log-probs of one batch's logits (under CP gathered back in sample order)."""
@@ -532,6 +546,8 @@ class MegatronTrainer(ModelChunks):
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.spec.is_moe:
+            clear_moe_tracker()
         self._run_schedule(forward_step, step_mbs, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=global_batch_size)
@@ -555,6 +571,8 @@ class MegatronTrainer(ModelChunks):
         out[f"{pre}global_batch_size"] = float(global_batch_size)
         sample_tokens = sum(sum(mb["total_lengths"]) for mb in step_mbs)
         out[f"{pre}packed_tokens_ratio"] = packed_rows / sample_tokens if sample_tokens else 1.0
+        if self.spec.is_moe:  # logged with or without the loss term (--moe-aux-loss-coeff)
+            out[f"{pre}moe_load_balancing_loss"] = moe_load_balancing_loss(self.ps, n_mb, self.spec.num_layers)
         return out
 
     def _forward(self, mb: dict[str, Any]) -> tuple[torch.Tensor, PackedBatch]:
