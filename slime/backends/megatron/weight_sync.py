@@ -137,6 +137,7 @@ class TensorWeightSync:
             "weight_sync/post_s": seconds["post"],  # the engines' requests (gathers to the leader included)
             "weight_sync/wait_s": seconds["wait"],  # posting waited for the packer: what the pipeline did not hide
             "weight_sync/session_s": session,  # pause, flush, begin ... end, flush, continue
+            "weight_sync/total_s": total,
         }
 
     def _produce(
