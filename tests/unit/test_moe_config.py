@@ -141,6 +141,8 @@ def test_expert_parallel_accepted_for_moe(tmp_path):
     assert args.expert_model_parallel_size == 4
     args = parse_args(_argv(str(tmp_path / "model"), "--expert-model-parallel-size", "2", "--moe-aux-loss-coeff", "0"))
     assert args.moe_aux_loss_coeff == 0.0 and args.expert_tensor_parallel_size is None
+    for extra in (["--context-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]):  # with EP=2: 4 GPUs
+        assert parse_args(_argv(str(tmp_path / "model"), "--expert-model-parallel-size", "2", *extra))
 
 
 @pytest.mark.parametrize(
@@ -152,8 +154,18 @@ def test_expert_parallel_accepted_for_moe(tmp_path):
         (_QWEN3_MOE, ["--expert-model-parallel-size", "8"], "must divide num_experts"),
         (_QWEN3_MOE, ["--tensor-model-parallel-size", "2"], "sequence parallelism"),
         (_QWEN3_MOE, ["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size > 1"),
-        (_QWEN3_MOE, ["--context-parallel-size", "2"], "not supported yet"),
-        (_QWEN3_MOE, ["--pipeline-model-parallel-size", "2"], "not supported yet"),
+        (
+            _QWEN3_MOE,
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--virtual-pipeline-model-parallel-size",
+                "2",
+                "--no-offload-train",
+            ],
+            "virtual-pipeline-model-parallel-size with an MoE",
+        ),
+        (_QWEN3_MOE, ["--expert-model-parallel-size", "4", "--pipeline-model-parallel-size", "2"], "does not divide"),
         (_QWEN3_MOE, ["--advantage-estimator", "ppo"], "critic is not built for MoE"),
         (_QWEN3_MOE, ["--expert-model-parallel-size", "0"], "must be >= 1"),
     ],

@@ -1,9 +1,11 @@
 """Same numbers with expert parallelism, through real megatron-core on gloo: `MegatronTrainer.train` on a MoE model
 (Qwen2-MoE layout: 4 routed experts, top-2 renormalised, a gated shared expert) gives the loss, every reduced
 metric and every parameter's gradient (DDP-reduced, gathered over EP into HF names, every expert under its own
-name) of the single-process run, for EP=2 (2 local experts per rank, attention data-parallel) and for DP=2
-without EP. The batch is test_megatron_layouts.py's: uneven groups, shared prompts, packed micro-batches, a full
-and a partial step, `--lr 0`.
+name, each pipeline stage's own layers) of the single-process run, for EP=2 (2 local experts per rank, attention
+data-parallel), DP=2, CP=2, PP=2, EP=2 x CP=2 and EP=2 x PP=2 (4 processes). The batch is
+test_megatron_layouts.py's: uneven groups, shared prompts, packed micro-batches, a full and a partial step,
+`--lr 0`. EP=2 x TP=2 is not here: megatron-core trains MoE layers under TP only with sequence parallelism,
+which slime does not have yet (refused by the flag checks).
 
 Negative control: EP rank 1 holds its two experts in swapped slots (the classic local → global index bug); its
 loss and gradients must differ. The router's load-balancing loss: logged as `train/moe_load_balancing_loss` with
@@ -24,15 +26,19 @@ from tests.unit.test_megatron_layouts import RTOL, SCHEDULE_METRICS, _args, _gra
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 
-WORLD = 2
+WORLD = 4
 AUX = 0.01
-# name -> (processes, ep, --moe-aux-loss-coeff)
+# name -> (processes, ep, cp, pp, --moe-aux-loss-coeff)
 LAYOUTS = {
-    "single": (1, 1, 0.0),
-    "ep2": (2, 2, 0.0),
-    "dp2": (2, 1, 0.0),
-    "ep2_swapped": (2, 2, 0.0),
-    "single_aux": (1, 1, AUX),
+    "single": (1, 1, 1, 1, 0.0),
+    "ep2": (2, 2, 1, 1, 0.0),
+    "dp2": (2, 1, 1, 1, 0.0),
+    "cp2": (2, 1, 2, 1, 0.0),
+    "pp2": (2, 1, 1, 2, 0.0),
+    "ep2cp2": (4, 2, 2, 1, 0.0),
+    "ep2pp2": (4, 2, 1, 2, 0.0),
+    "ep2_swapped": (2, 2, 1, 1, 0.0),
+    "single_aux": (1, 1, 1, 1, AUX),
 }
 # not layout-invariant by design: per micro-batch statistics of the router (micro-batches differ per DP layout)
 PER_MICROBATCH = ("train/moe_load_balancing_loss",)
@@ -57,10 +63,10 @@ def _run(rank: int, name: str, port: int, ckpt: str, out_dir: str) -> None:
     from slime.ray.train_data import build_rank_data
     from slime.scheduling.carry import CarryBuffer
 
-    world, ep, aux = LAYOUTS[name]
+    world, ep, cp, pp, aux = LAYOUTS[name]
     if rank >= world:
         return
-    args = _args(ckpt, world, 1, 1, 1)
+    args = _args(ckpt, world, 1, cp, pp)
     args.expert_model_parallel_size, args.moe_aux_loss_coeff = ep, aux
     validate_moe_args(args)  # the flag checks accept this layout
     trainer = MegatronTrainer(args, rank, world, "127.0.0.1", port)
@@ -68,7 +74,7 @@ def _run(rank: int, name: str, port: int, ckpt: str, out_dir: str) -> None:
     chunk = unwrap_model(trainer.model)
     if name.endswith("_swapped") and ps.rank("ep") == 1:
         _swap_local_experts(chunk)
-    parallel = {"dp_size": ps.size("dp"), "cp_size": 1, "pp_size": 1, "vpp_size": 1,
+    parallel = {"dp_size": ps.size("dp"), "cp_size": ps.size("cp"), "pp_size": ps.size("pp"), "vpp_size": 1,
                 "microbatch_group_size_per_vp_stage": None}  # fmt: skip
     data, _ = build_rank_data(args, 0, _samples(trainer.spec.vocab_size), CarryBuffer(), parallel)
     snapshots, step = [], trainer.optimizer.step
@@ -80,9 +86,10 @@ def _run(rank: int, name: str, port: int, ckpt: str, out_dir: str) -> None:
     trainer.optimizer.step = step_and_keep_grads
     metrics = trainer.train(0, data[ps.rank("dp")])
     grads = [{n: g.clone() for n, g in iter_hf_tensors(s, trainer.spec, ps, layer_offset(chunk))} for s in snapshots]
-    if ps.rank("dp") == 0:
-        layout = {d: ps.size(d) for d in ("dp", "ep", "tp", "etp")}
-        torch.save({"metrics": metrics, "grads": grads, "layout": layout}, f"{out_dir}/{name}.pt")
+    if ps.rank("dp") == ps.rank("cp") == 0:  # one file per pipeline stage (its own layers' gradients)
+        layout = {d: ps.size(d) for d in ("dp", "ep", "tp", "etp", "cp", "pp")}
+        path = f"{out_dir}/{name}.pp{ps.rank('pp')}.pt"
+        torch.save({"metrics": metrics, "grads": grads, "layout": layout}, path)
     destroy_megatron()
 
 
@@ -101,19 +108,25 @@ def runs(tmp_path_factory):
     build_random_moe(Path(ckpt), "qwen2_moe", norm_topk_prob=True)
     ports = {name: find_free_port() for name in LAYOUTS}
     mp.spawn(_worker, args=(ports, ckpt, str(root)), nprocs=WORLD, daemon=True)
-    return {name: torch.load(root / f"{name}.pt") for name in LAYOUTS}
+    runs = {}
+    for name, (*_, pp, _aux) in LAYOUTS.items():
+        stages = [torch.load(root / f"{name}.pp{k}.pt") for k in range(pp)]
+        grads = [{n: g for st in stages for n, g in st["grads"][i].items()} for i in range(len(stages[0]["grads"]))]
+        runs[name] = {**stages[-1], "grads": grads}
+    return runs
 
 
 def test_layouts_are_what_they_claim(runs):
-    for name, (world, ep, _) in LAYOUTS.items():
-        assert runs[name]["layout"] == {"dp": world, "ep": ep, "tp": 1, "etp": 1}, name
+    for name, (world, ep, cp, pp, _) in LAYOUTS.items():
+        want = {"dp": world // (cp * pp), "ep": ep, "tp": 1, "etp": 1, "cp": cp, "pp": pp}
+        assert runs[name]["layout"] == want, name
     assert len(runs["single"]["grads"]) == 2  # a full and a partial step
     names = set(runs["single"]["grads"][0])
     assert sum(".mlp.experts." in n for n in names) == 2 * 4 * 3  # every expert's gate/up/down, both layers
     assert {"model.layers.0.mlp.gate.weight", "model.layers.1.mlp.shared_expert_gate.weight"} <= names
 
 
-@pytest.mark.parametrize("name", ["ep2", "dp2"])
+@pytest.mark.parametrize("name", ["ep2", "dp2", "cp2", "pp2", "ep2cp2", "ep2pp2"])
 def test_loss_metrics_and_gradients_equal_single_process(runs, name):
     want, got = runs["single"], runs[name]
     reduced = [k for k in want["metrics"] if k.startswith("train/") and k not in SCHEDULE_METRICS + PER_MICROBATCH]

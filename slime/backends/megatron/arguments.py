@@ -203,7 +203,8 @@ def _moe_spec(args: argparse.Namespace):  # noqa: ANN202 (HFModelSpec | None; hf
 
 def validate_moe_args(args: argparse.Namespace) -> None:
     """Expert parallelism only for MoE checkpoints, and MoE only in the layouts proven equal to one process
-    (tests/unit/test_moe_*.py); each refusal is one line before Ray starts."""
+    (tests/unit/test_moe_layouts.py: EP, DP, CP, PP and EP with CP or PP); each refusal is one line before Ray
+    starts."""
     ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
     if ep < 1 or (etp is not None and etp < 1):
         raise SlimeArgError("--expert-model-parallel-size and --expert-tensor-parallel-size must be >= 1")
@@ -215,7 +216,7 @@ def validate_moe_args(args: argparse.Namespace) -> None:
             flag = "--expert-model-parallel-size" if ep > 1 else "--expert-tensor-parallel-size"
             raise SlimeArgError(f"{flag} needs an MoE checkpoint (qwen2_moe, qwen3_moe); --hf-checkpoint is dense")
         return
-    tp, cp, pp = args.tensor_model_parallel_size, args.context_parallel_size, args.pipeline_model_parallel_size
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp > 1:
         raise SlimeArgError(
             "--tensor-model-parallel-size > 1 with an MoE model: megatron-core trains MoE layers under TP only with "
@@ -223,17 +224,14 @@ def validate_moe_args(args: argparse.Namespace) -> None:
         )
     if etp not in (None, 1):
         raise SlimeArgError("--expert-tensor-parallel-size > 1 is not supported yet (experts are whole on each rank)")
-    if cp > 1 or pp > 1:
-        raise SlimeArgError(
-            "MoE models with --context-parallel-size or --pipeline-model-parallel-size > 1 are not supported yet "
-            "(expert parallelism runs with data parallelism)"
-        )
+    if (args.virtual_pipeline_model_parallel_size or 1) > 1:
+        raise SlimeArgError("--virtual-pipeline-model-parallel-size with an MoE model is not supported yet")
     if args.advantage_estimator == "ppo":
         raise SlimeArgError("--advantage-estimator ppo with an MoE model: the critic is not built for MoE yet")
     if spec.num_experts % ep:
         raise SlimeArgError(f"--expert-model-parallel-size {ep} must divide num_experts ({spec.num_experts})")
-    if args.world_size % ep:
+    if args.world_size % (ep * pp):
         raise SlimeArgError(
-            f"--expert-model-parallel-size {ep} does not divide the {args.world_size} train GPUs "
-            "(--actor-num-nodes x --actor-num-gpus-per-node)"
+            f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp} does not divide the "
+            f"{args.world_size} train GPUs (--actor-num-nodes x --actor-num-gpus-per-node)"
         )

@@ -320,7 +320,8 @@ class MegatronTrainer(ModelChunks):
             mb[key] = [None] * len(mb["tokens"])
         batches = [(b, t) for b, t in self._logprob_batches(mbs) if b["tokens"]]
         if self.ps.size("ep") > 1:  # MoE: the token all-to-all is an EP collective, so every EP rank runs as many
-            batches += [({"tokens": []}, [])] * self._ep_padding(len(batches))  # forwards (a dummy row each)
+            empty = {"tokens": [], "total_lengths": [], "response_lengths": []}  # forwards (a dummy row each)
+            batches += [(dict(empty), [])] * self._ep_padding(len(batches))
         if self.ps.size("pp") > 1:
             self._pipelined_logprobs(batches, mbs, key)
         for batch, targets in batches if self.ps.size("pp") == 1 else []:
