@@ -33,6 +33,7 @@ only its own layers (embedding on the first stage, final norm and untied `lm_hea
 from __future__ import annotations
 
 import json
+import itertools
 import logging
 import os
 import re
@@ -106,16 +107,26 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups
     return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
 
 
-def split_qkv(
+def qkv_views(
     qkv: torch.Tensor, num_query_groups: int, num_attention_heads: int, kv_channels: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of `fuse_qkv`."""
+) -> list[tuple[torch.Tensor, torch.Size]]:
+    """q, k and v of a fused `linear_qkv` as strided views ([groups, rows per group, ...]) with the HF shape each
+    has once flattened: the group interleaving makes the HF tensors non-views, so a copy happens only where the
+    values land (a weight-sync bucket, `weight_buckets.flatten`) instead of in a temporary."""
     ng, hn = num_query_groups, kv_channels
     q_per_group = num_attention_heads // ng * hn
     tail = qkv.shape[1:]
     grouped = qkv.reshape(ng, q_per_group + 2 * hn, *tail)
-    q, k, v = torch.split(grouped, [q_per_group, hn, hn], dim=1)
-    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
+    bounds = (0, q_per_group, q_per_group + hn, q_per_group + 2 * hn)
+    return [(grouped[:, a:b], torch.Size((ng * (b - a), *tail))) for a, b in itertools.pairwise(bounds)]
+
+
+def split_qkv(
+    qkv: torch.Tensor, num_query_groups: int, num_attention_heads: int, kv_channels: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `fuse_qkv`."""
+    q, k, v = (t.reshape(shape) for t, shape in qkv_views(qkv, num_query_groups, num_attention_heads, kv_channels))
+    return q, k, v
 
 
 def shard_fc1(gate: torch.Tensor, up: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
@@ -294,6 +305,16 @@ def iter_hf_tensors(
     `named_tensors` may come from a live model (`model.named_parameters()`) or from a host-side backup
     with the same names; every TP rank must pass the same names in the same order.
     """
+    for name, src, shape in iter_hf_sources(named_tensors, spec, ps, offset):
+        yield name, src if src.shape == shape else src.reshape(shape)
+
+
+def iter_hf_sources(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], spec: HFModelSpec, ps: ParallelState, offset: int = 0
+) -> Iterator[tuple[str, torch.Tensor, torch.Size]]:
+    """`iter_hf_tensors` before its last reshape: (HF name, values, HF shape), where the values are in the HF
+    tensor's row-major order but may be a strided view of another shape (q/k/v of a fused `linear_qkv`).
+    Without TP/EP gathers every one is a view of the live parameter, which a weight sync can keep."""
     for name, shard in named_tensors:
         while name.startswith("module."):  # DDP / Float16Module wrappers
             name = name.removeprefix("module.")
@@ -302,36 +323,45 @@ def iter_hf_tensors(
         if m is None:
             if name == "output_layer.weight" and spec.tie_word_embeddings:
                 continue  # a tied last stage's copy of the embedding; HF has no separate lm_head
-            full = _cat(_gather_tp(shard, ps), dim=0) if name in _VOCAB_PARALLEL else shard
-            yield _GLOBAL_DIRECT[name], full[: spec.vocab_size] if name in _VOCAB_PARALLEL else full
+            full = _cat(_gather_tp(shard, ps), dim=0)[: spec.vocab_size] if name in _VOCAB_PARALLEL else shard
+            yield _GLOBAL_DIRECT[name], full, full.shape
             continue
         prefix = f"model.layers.{int(m.group(1)) + offset}."
         suffix = m.group(2)
-        if suffix in _LAYER_DIRECT:
-            full = _cat(_gather_tp(shard, ps), dim=1) if suffix in _ROW_PARALLEL else shard
-            yield prefix + _LAYER_DIRECT[suffix], full
-        elif suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
             kind = suffix.rsplit(".", 1)[1]
             qkv = _cat(_gather_tp(shard, ps), dim=0)
-            parts = split_qkv(qkv, spec.num_query_groups, spec.num_attention_heads, spec.kv_channels)
-            for p, t in zip("qkv", parts, strict=True):
-                yield f"{prefix}self_attn.{p}_proj.{kind}", t
-        elif suffix == "mlp.linear_fc1.weight":
-            gate, up = unshard_fc1(_gather_tp(shard, ps))
-            yield prefix + "mlp.gate_proj.weight", gate
-            yield prefix + "mlp.up_proj.weight", up
-        elif suffix in _MOE_REPLICATED:
-            yield prefix + _MOE_REPLICATED[suffix], shard
-        elif suffix == _SHARED_FC1:
-            gate, up = unshard_fc1(_gather_tp(shard, ps))
-            yield prefix + "mlp.shared_expert.gate_proj.weight", gate
-            yield prefix + "mlp.shared_expert.up_proj.weight", up
-        elif suffix == _SHARED_FC2:
-            yield prefix + "mlp.shared_expert.down_proj.weight", _cat(_gather_tp(shard, ps), dim=1)
-        elif (e := _EXPERT.match(suffix)) is not None:
-            yield from _expert_tensors(prefix, int(e.group(1)), e.group(2), shard, spec, ps)
-        else:
-            raise KeyError(f"no HF mapping for megatron parameter {name!r}")
+            views = qkv_views(qkv, spec.num_query_groups, spec.num_attention_heads, spec.kv_channels)
+            for p, (t, shape) in zip("qkv", views, strict=True):
+                yield f"{prefix}self_attn.{p}_proj.{kind}", t, shape
+            continue
+        for hf_name, t in _layer_tensors(prefix, suffix, name, shard, spec, ps):
+            yield hf_name, t, t.shape
+
+
+def _layer_tensors(
+    prefix: str, suffix: str, name: str, shard: torch.Tensor, spec: HFModelSpec, ps: ParallelState
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF tensors of one decoder-layer parameter other than the fused QKV."""
+    if suffix in _LAYER_DIRECT:
+        full = _cat(_gather_tp(shard, ps), dim=1) if suffix in _ROW_PARALLEL else shard
+        yield prefix + _LAYER_DIRECT[suffix], full
+    elif suffix == "mlp.linear_fc1.weight":
+        gate, up = unshard_fc1(_gather_tp(shard, ps))
+        yield prefix + "mlp.gate_proj.weight", gate
+        yield prefix + "mlp.up_proj.weight", up
+    elif suffix in _MOE_REPLICATED:
+        yield prefix + _MOE_REPLICATED[suffix], shard
+    elif suffix == _SHARED_FC1:
+        gate, up = unshard_fc1(_gather_tp(shard, ps))
+        yield prefix + "mlp.shared_expert.gate_proj.weight", gate
+        yield prefix + "mlp.shared_expert.up_proj.weight", up
+    elif suffix == _SHARED_FC2:
+        yield prefix + "mlp.shared_expert.down_proj.weight", _cat(_gather_tp(shard, ps), dim=1)
+    elif (e := _EXPERT.match(suffix)) is not None:
+        yield from _expert_tensors(prefix, int(e.group(1)), e.group(2), shard, spec, ps)
+    else:
+        raise KeyError(f"no HF mapping for megatron parameter {name!r}")
 
 
 def export_hf_weights(
