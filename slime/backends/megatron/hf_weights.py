@@ -32,8 +32,8 @@ only its own layers (embedding on the first stage, final norm and untied `lm_hea
 
 from __future__ import annotations
 
-import json
 import itertools
+import json
 import logging
 import os
 import re
