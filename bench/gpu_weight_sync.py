@@ -6,7 +6,7 @@ What it runs (one GPU, megatron-core; no Ray, no router):
 1. a random-init checkpoint of the shape (`bench/gpu_trainer.py`), served by the fake `hf` engine on the same GPU
    (bf16; it stands in for SGLang and copies each received bucket into its parameters before answering);
 2. a colocated `MegatronTrainer` rank in this process (bf16, `--offload-train`) after one train step;
-3. `--repeats` syncs each way, through the production code (`MegatronTrainer.export_hf` → buckets of
+3. `--repeats` syncs each way, through the production code (`MegatronTrainer.weights_for_sync` → buckets of
    `--update-weight-buffer-size` → `TensorWeightSync` → `/update_weights_from_tensor`), the session included:
    - **live**: as `slime train` syncs after a train call — the trainer half asleep (optimizer state and grads
      released), the weights read on the GPU; then the second half of the sleep, timed apart;
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 off.wake_up()
                 off.sleep(keep_weights=True)  # what the train call leaves behind when a sync follows
                 t0 = time.perf_counter()
-                m = sync.sync(trainer.export_hf(), version := version + 1)
+                m = sync.sync(trainer.weights_for_sync(), version := version + 1)
                 m["total_s"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 off.sleep()  # the sleep's second half: params to the pinned copy, released
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     runs["live"].append(m)
                     release.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
-                h = sync.sync(trainer.export_hf(), version := version + 1)  # asleep: from the pinned host copy
+                h = sync.sync(trainer.weights_for_sync(), version := version + 1)  # asleep: from the pinned host copy
                 h["total_s"] = time.perf_counter() - t0
                 if i:
                     runs["host"].append(h)

@@ -253,7 +253,7 @@ class TrainRayActor:
             if self.weight_sync is not None:
                 self.weight_sync.close()
             self.weight_sync = TensorWeightSync(targets, self.args.update_weight_buffer_size)
-        return self.weight_sync.sync(self.trainer.export_hf(), weight_version)
+        return self.weight_sync.sync(self.trainer.weights_for_sync(), weight_version)
 
     def _update_weights_distributed(self, engines: list[dict[str, Any]], weight_version: int) -> dict[str, float]:
         """Rank 0 pauses the engines and opens their weight-update session once; each stage's sender then

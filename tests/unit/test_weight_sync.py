@@ -80,3 +80,62 @@ def test_sync_changes_engine_weights_exactly(ckpt, tmp_path):
     )
     assert seq[:2] == ["/pause_generation", "/flush_cache"] and first_load == 2
     assert seq[last_load + 1 :] == ["/flush_cache", "/continue_generation"]
+
+
+def _sources_worker(rank: int, ckpt: str, out: str, port: int) -> None:
+    from slime.arguments import parse_args
+    from slime.backends.megatron.offload import TrainOffloader
+    from slime.backends.megatron.trainer import MegatronTrainer
+    from slime.backends.megatron.weight_buckets import new_buffer
+
+    args = parse_args([
+        "--hf-checkpoint", ckpt, "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "1",
+        "--colocate", "--custom-megatron-init-path", "sim.fake_megatron.cpu_shim.apply",
+    ])  # fmt: skip
+    off = TrainOffloader(args.offload_train)
+    trainer = MegatronTrainer(args, 0, 1, "127.0.0.1", port, offloader=off)
+    off.attach(trainer.model, trainer.optimizer)
+
+    def flat_bytes(items) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for bucket in buckets_by_dtype(items, bucket_bytes=1 << 16):
+            flat, meta = flatten(bucket, new_buffer(bucket))
+            out.update({m.name: flat[m.start_idx : m.end_idx].reshape(m.shape).clone() for m in meta})
+        return out
+
+    res = {}
+    sources = trainer.weights_for_sync()
+    res["shapes_differ"] = sum(1 for _, src, shape, _ in sources if src.shape != shape)  # q/k/v: strided views
+    res["equal_export"] = _same(flat_bytes(sources), {n: t.clone() for n, t in trainer.export_hf()})
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(0.5)  # a train step changes the weights in place: the kept views must see it
+    off.sleep(keep_weights=True)
+    res["same_list"] = trainer.weights_for_sync() is sources
+    res["equal_after_change"] = _same(flat_bytes(trainer.weights_for_sync()), dict(trainer.export_hf()))
+    off.sleep()  # params released: the sync reads the host copy, through the converting export
+    res["asleep_is_export"] = trainer.weights_for_sync() is not sources
+    off.wake_up()  # params re-grown in place: the kept views are valid again
+    res["equal_after_wake"] = _same(flat_bytes(trainer.weights_for_sync()), dict(trainer.export_hf()))
+    with open(out, "w") as f:
+        json.dump(res, f)
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_kept_sync_views_send_exactly_what_the_export_sends(ckpt, tmp_path):
+    """`MegatronTrainer.weights_for_sync`: the views kept from the first sync flatten to the same bytes as the
+    converting export, before and after the weights change in place and after a sleep/wake cycle re-grows the
+    parameters' storages; while asleep the sync goes through the export (the host copy)."""
+    import torch.multiprocessing as mp
+
+    from slime.utils.http_utils import find_free_port
+
+    out = tmp_path / "res.json"
+    mp.spawn(_sources_worker, args=(str(ckpt), str(out), find_free_port()), nprocs=1)
+    r = json.loads(out.read_text())
+    assert r["shapes_differ"] > 0, r
+    assert r["equal_export"] and r["same_list"] and r["equal_after_change"] and r["asleep_is_export"], r
+    assert r["equal_after_wake"], r

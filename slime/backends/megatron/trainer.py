@@ -150,6 +150,7 @@ class MegatronTrainer(ModelChunks):
         # padded to one length instead (`_run_schedule`).
         config.variable_seq_lengths = len(self.chunks) == 1
         self._pad_to: int | None = None
+        self._sync_sources: list[Any] | None = None  # weights_for_sync's views, built at the first sync
         # Megatron's scheduler counts samples; slime's "sample" is a group, so steps are multiplied by B.
         gbs = args.global_batch_size
         train_iters = max(1, args.num_rollout * args.rollout_batch_size * args.n_samples_per_prompt // gbs)
@@ -634,6 +635,28 @@ class MegatronTrainer(ModelChunks):
     def is_weight_sender(self) -> bool:
         """One rank per pipeline stage holds full (TP-gathered) weights: DP rank 0, TP rank 0."""
         return self.ps.rank("dp") == 0 and self.ps.rank("tp") == 0 and self.ps.rank("cp") == 0
+
+    def weights_for_sync(self) -> Iterable[Any]:
+        """What a colocated weight sync sends (`weight_buckets.Item`s): where no gather is needed (TP, EP and ETP of
+        one) and the weights are on the GPU, views of the live parameters with their HF names, shapes and the
+        engines' dtype, built once and kept — the parameters' storages stay the same objects through sleep and
+        wake-up, so the views stay valid — which takes the conversion code off the sync's path; otherwise
+        `export_hf()`."""
+        from slime.backends.megatron.hf_weights import iter_hf_sources, layer_offset
+
+        asleep = self.offloader is not None and self.offloader.asleep
+        if asleep or any(self.ps.size(d) > 1 for d in ("tp", "ep", "etp")):
+            return self.export_hf()
+        if self._sync_sources is None:
+            dtype = torch.bfloat16 if self.args.bf16 else None
+            self._sync_sources = [
+                (name, src, shape, dtype or src.dtype)
+                for chunk in self.chunks
+                for name, src, shape in iter_hf_sources(
+                    unwrap_model(chunk).named_parameters(), self.spec, self.ps, layer_offset(chunk)
+                )
+            ]
+        return self._sync_sources
 
     def export_hf(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named full tensors of this stage (a TP collective: every TP rank must iterate), in the engines'

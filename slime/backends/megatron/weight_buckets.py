@@ -27,20 +27,35 @@ class FlattenedTensorMetadata:
     numel: int
 
 
-def buckets_by_dtype(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
+Item = tuple[str, torch.Tensor] | tuple[str, torch.Tensor, torch.Size, torch.dtype]
+"""A tensor to send: (HF name, tensor), or (HF name, values, HF shape, dtype to send) where the values hold the
+tensor in row-major order under another shape (a strided view, `hf_weights.iter_hf_sources`) or dtype."""
+
+
+def _spec(item: Item) -> tuple[str, torch.Tensor, torch.Size, torch.dtype]:
+    if len(item) == 2:
+        name, t = item
+        return name, t, t.shape, t.dtype
+    return item  # type: ignore[return-value]
+
+
+def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
+    return shape.numel() * dtype.itemsize
+
+
+def buckets_by_dtype(named_tensors: Iterable[Item], bucket_bytes: int) -> Iterator[list[Item]]:
     """Lists of same-dtype tensors of at most `bucket_bytes` each (a larger tensor travels alone), in order of
     completion; tensors are not copied."""
-    pending: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    pending: dict[torch.dtype, list[Item]] = {}
     sizes: dict[torch.dtype, int] = {}
-    for name, t in named_tensors:
-        nbytes = t.numel() * t.element_size()
-        if t.dtype in pending and sizes[t.dtype] + nbytes > bucket_bytes:
-            yield pending.pop(t.dtype)
-            sizes.pop(t.dtype)
-        pending.setdefault(t.dtype, []).append((name, t))
-        sizes[t.dtype] = sizes.get(t.dtype, 0) + nbytes
+    for item in named_tensors:
+        _, _, shape, dtype = _spec(item)
+        nbytes = _nbytes(shape, dtype)
+        if dtype in pending and sizes[dtype] + nbytes > bucket_bytes:
+            yield pending.pop(dtype)
+            sizes.pop(dtype)
+        pending.setdefault(dtype, []).append(item)
+        sizes[dtype] = sizes.get(dtype, 0) + nbytes
     yield from pending.values()
 
 
@@ -55,25 +70,31 @@ def _metadata_class() -> type:
     return cls
 
 
-def flatten(
-    bucket: list[tuple[str, torch.Tensor]], buffer: torch.Tensor | None = None
-) -> tuple[torch.Tensor, list[Any]]:
+def flatten(bucket: list[Item], buffer: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Any]]:
     """One 1-D tensor of the bucket's dtype holding every tensor back to back, and where each one lies.
 
     `buffer` (1-D, the bucket's dtype and device, large enough): the tensors are copied into its head, which is
-    returned — one copy per tensor straight into its slot, strided views included (no intermediate `reshape`
-    copies), and no new allocation per bucket. Without it a new tensor is made."""
+    returned — one copy per tensor straight into its slot, strided views and dtype casts included (no
+    intermediate copies), and no new allocation per bucket. Without it a new tensor is made."""
+    specs = [_spec(item) for item in bucket]
     meta, start, cls = [], 0, _metadata_class()
-    for name, t in bucket:
-        meta.append(cls(name, t.shape, t.dtype, start, start + t.numel(), t.numel()))
-        start += t.numel()
+    for name, _, shape, dtype in specs:
+        meta.append(cls(name, shape, dtype, start, start + shape.numel(), shape.numel()))
+        start += shape.numel()
     if buffer is None:
-        return torch.cat([t.detach().reshape(-1) for _, t in bucket]), meta
+        dtype = specs[0][3]
+        return torch.cat([t.detach().reshape(-1).to(dtype) for _, t, _, _ in specs]), meta
     flat = buffer[:start]
-    slots = [flat[m.start_idx : m.end_idx].view(m.shape) for m in meta]
-    torch._foreach_copy_(slots, [t.detach() for _, t in bucket])  # one grouped launch instead of one per tensor
+    slots = [flat[m.start_idx : m.end_idx].view(t.shape) for m, (_, t, _, _) in zip(meta, specs, strict=True)]
+    torch._foreach_copy_(slots, [t.detach() for _, t, _, _ in specs])  # one grouped launch, not one per tensor
     return flat, meta
 
 
-def bucket_nbytes(bucket: list[tuple[str, torch.Tensor]]) -> int:
-    return sum(t.numel() * t.element_size() for _, t in bucket)
+def bucket_nbytes(bucket: list[Item]) -> int:
+    return sum(_nbytes(shape, dtype) for _, _, shape, dtype in map(_spec, bucket))
+
+
+def new_buffer(bucket: list[Item]) -> torch.Tensor:
+    """An empty 1-D tensor that `flatten` can fill with this bucket (its dtype, on its tensors' device)."""
+    specs = [_spec(item) for item in bucket]
+    return torch.empty(sum(shape.numel() for _, _, shape, _ in specs), dtype=specs[0][3], device=specs[0][1].device)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.multiprocessing.reductions  # noqa: F401 - registers tensor reductions with ForkingPickler
 
-from slime.backends.megatron.weight_buckets import bucket_nbytes, buckets_by_dtype, flatten
+from slime.backends.megatron.weight_buckets import Item, bucket_nbytes, buckets_by_dtype, flatten, new_buffer
 from slime.backends.sglang.client import SGLangClient, begin_weight_sync, end_weight_sync
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class TensorWeightSync:
         for c in self.clients.values():
             c.close()
 
-    def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int) -> dict[str, float]:
+    def sync(self, named_tensors: Iterable[Item], weight_version: int) -> dict[str, float]:
         """Every rank calls this with the same stream of HF-named tensors; returns what the leaders posted.
 
         Pipelined: a thread converts and packs the buckets (`_packed`) while this one opens the session and posts
@@ -142,7 +142,7 @@ class TensorWeightSync:
 
     def _produce(
         self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        named_tensors: Iterable[Item],
         ready: queue.Queue[Any],
         stop: threading.Event,
         seconds: dict[str, float],
@@ -162,7 +162,7 @@ class TensorWeightSync:
         try:
             it = iter(named_tensors)
 
-            def timed() -> Iterator[tuple[str, torch.Tensor]]:
+            def timed() -> Iterator[Item]:
                 while True:
                     t0 = time.perf_counter()
                     item = next(it, None)
@@ -175,8 +175,7 @@ class TensorWeightSync:
                 t0 = time.perf_counter()
                 # a new buffer per bucket, never a reused one: torch keeps a block shared over CUDA IPC out of its
                 # allocator's reach until the engine has let go of it, whatever the engine's stream is still doing
-                first = bucket[0][1]
-                buffer = torch.empty(sum(t.numel() for _, t in bucket), dtype=first.dtype, device=first.device)
+                buffer = new_buffer(bucket)
                 flat, meta = flatten(bucket, buffer)
                 payload = serialize({"flattened_tensor": flat, "metadata": meta}) if self.groups else None
                 seconds["pack"] += time.perf_counter() - t0
