@@ -4,8 +4,10 @@ argparse of its own), plus weight-sync and megatron hook flags."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
+from slime.backends.megatron.hf_config import MOE_MODEL_TYPES, HFModelSpec, read_hf_config
 from slime.utils.errors import SlimeArgError
 
 # Flags whose features are not built yet; setting one is refused before Ray starts (slime/arguments.py).
@@ -179,12 +181,8 @@ def validate_megatron_args(args: argparse.Namespace) -> None:
         raise SlimeArgError("--save-interval must be > 0")
 
 
-def _moe_spec(args: argparse.Namespace):  # noqa: ANN202 (HFModelSpec | None; hf_config is imported lazily: torch)
+def _moe_spec(args: argparse.Namespace) -> HFModelSpec | None:
     """The checkpoint's shape when it is an MoE model; None for a dense or unreadable one (checked elsewhere)."""
-    import json
-
-    from slime.backends.megatron.hf_config import MOE_MODEL_TYPES
-
     path = os.path.join(args.hf_checkpoint or "", "config.json")
     try:
         with open(path) as f:
@@ -193,8 +191,6 @@ def _moe_spec(args: argparse.Namespace):  # noqa: ANN202 (HFModelSpec | None; hf
         return None
     if not isinstance(cfg, dict) or cfg.get("model_type") not in MOE_MODEL_TYPES:
         return None
-    from slime.backends.megatron.hf_config import read_hf_config
-
     try:
         return read_hf_config(cfg)
     except KeyError as e:
