@@ -18,11 +18,13 @@ distributed_timeout_minutes, seed, custom_megatron_init_path.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import random
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -83,8 +85,41 @@ def init_distributed(
         store = master_store(listen or _bound(master_addr, master_port), world_size, timeout)
     else:
         store = client_store(master_addr, master_port, world_size, timeout)
-    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    options = _one_rank_nccl_options() if backend == "nccl" and world_size == 1 else None
+    dist.init_process_group(
+        backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout, pg_options=options
+    )
     logger.info("torch.distributed up: rank %d/%d, backend %s", rank, world_size, backend)
+
+
+def _one_rank_nccl_options() -> Any:
+    """NCCL options for a communicator of one rank: one CTA. It moves no data, but NCCL sizes its buffers by
+    CTAs (channels): on an H200 such a communicator holds 389 MiB with the default 32 and 11 MiB with one, and a
+    trainer creates one per megatron group it runs a collective on — most of what a sleeping trainer holds."""
+    options = dist.ProcessGroupNCCL.Options()
+    options.config.max_ctas = options.config.min_ctas = 1
+    return options
+
+
+@contextlib.contextmanager
+def _lean_one_rank_groups() -> Iterator[None]:
+    """While megatron creates its groups: every NCCL group of one rank gets `_one_rank_nccl_options` (megatron's
+    own per-group options are keyed by group name, not size, and its groups of one rank are the common case:
+    every parallel dimension of size 1)."""
+    new_group = dist.new_group
+
+    def lean_new_group(ranks: Any = None, *args: Any, **kwargs: Any) -> Any:
+        backend = kwargs.get("backend")
+        if ranks is not None and len(ranks) == 1 and kwargs.get("pg_options") is None and backend in (None, "nccl"):
+            if dist.get_backend() == "nccl":
+                kwargs["pg_options"] = _one_rank_nccl_options()
+        return new_group(ranks, *args, **kwargs)
+
+    dist.new_group = lean_new_group
+    try:
+        yield
+    finally:
+        dist.new_group = new_group
 
 
 def _bound(host: str, port: int) -> socket.socket:
@@ -116,15 +151,16 @@ def init_megatron(args: Any) -> MegatronParallelState:
         raise RuntimeError("init_megatron needs torch.distributed: call init_distributed first")
     run_custom_megatron_init(args)
     if not mpu.model_parallel_is_initialized():
-        mpu.initialize_model_parallel(
-            tensor_model_parallel_size=args.tensor_model_parallel_size,
-            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-            context_parallel_size=args.context_parallel_size,
-            expert_model_parallel_size=args.expert_model_parallel_size,
-            expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-            distributed_timeout_minutes=args.distributed_timeout_minutes,
-        )
+        with _lean_one_rank_groups():
+            mpu.initialize_model_parallel(
+                tensor_model_parallel_size=args.tensor_model_parallel_size,
+                pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+                context_parallel_size=args.context_parallel_size,
+                expert_model_parallel_size=args.expert_model_parallel_size,
+                expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+                distributed_timeout_minutes=args.distributed_timeout_minutes,
+            )
     set_seeds(args.seed)
     ps = MegatronParallelState()
     logger.info("megatron parallel state: %r", ps)
