@@ -174,3 +174,81 @@ def test_refused_layouts_give_one_line(tmp_path, cfg, extra, needle):
     with pytest.raises(SlimeArgError, match=needle) as e:
         parse_args(_argv(_model(tmp_path, cfg), *extra))
     assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- expert weight layout, simulated ranks
+
+
+class _Reader:
+    def __init__(self, tensors: dict[str, Any]) -> None:
+        self.tensors = tensors
+
+    def get(self, name: str) -> Any:
+        return self.tensors[name]
+
+
+class _SimRanks:
+    """The `ParallelState` of one simulated rank (ep_rank, etp_rank) for the expert gathers of the export: a gather
+    returns the shards every rank of the group holds for the same (parameter, EP slot), as the real groups do. A
+    gathered tensor is recognised by its values (random, so unique; export may copy or detach it)."""
+
+    def __init__(self, shards: dict[tuple[str, int, int], Any], ep: int, etp: int, ep_rank: int, etp_rank: int):
+        self.shards, self.sizes = shards, {"tp": 1, "ep": ep, "etp": etp}
+        self.ranks = {"tp": 0, "ep": ep_rank, "etp": etp_rank}
+
+    def size(self, dim: str) -> int:
+        return self.sizes[dim]
+
+    def rank(self, dim: str) -> int:
+        return self.ranks[dim]
+
+    def all_gather(self, t: Any, dim: str) -> list[Any]:
+        import torch
+
+        ((name, ep_r, etp_r),) = (k for k, v in self.shards.items() if v.shape == t.shape and torch.equal(v, t))
+        keys = [(name, r, etp_r) if dim == "ep" else (name, ep_r, r) for r in range(self.sizes[dim])]
+        return [self.shards[k].clone() for k in keys]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    ep=st.sampled_from([1, 2, 4]),
+    etp=st.sampled_from([1, 2, 4]),
+    per_rank=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_expert_shards_load_and_export_back_to_every_hf_expert(ep: int, etp: int, per_rank: int, seed: int):
+    """Loading HF experts into every (EP, ETP) rank and exporting them (gather over ETP, then EP) gives back every
+    expert under its own HF name, bit for bit, on every rank: the layout rules of hf_weights.py for any sizes."""
+    import torch
+
+    from slime.backends.megatron import hf_weights
+
+    experts, hidden, ffn = ep * per_rank, 8, 4 * etp
+    spec = hf_config.read_hf_config(
+        {**_QWEN3_MOE, "num_experts": experts, "num_experts_per_tok": 1, "norm_topk_prob": False,
+         "moe_intermediate_size": ffn, "hidden_size": hidden}
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    hf = {}
+    for e in range(experts):
+        p = f"model.layers.0.mlp.experts.{e}."
+        hf |= {p + "gate_proj.weight": torch.randn(ffn, hidden, generator=g),
+               p + "up_proj.weight": torch.randn(ffn, hidden, generator=g),
+               p + "down_proj.weight": torch.randn(hidden, ffn, generator=g)}  # fmt: skip
+    names = [f"decoder.layers.0.mlp.experts.local_experts.{j}.{k}.weight" for j in range(per_rank)
+             for k in ("linear_fc1", "linear_fc2")]  # fmt: skip
+    shards = {
+        (n, r, t): hf_weights._hf_shard_for(n, _Reader(hf), spec, hf_weights.ShardRanks(1, 0, ep, r, etp, t), 0)
+        for n in names
+        for r in range(ep)
+        for t in range(etp)
+    }
+    assert shards[(names[0], 0, 0)].shape == (2 * ffn // etp, hidden)  # this rank's gate and up rows
+    for r in range(ep):
+        for t in range(etp):
+            ps = _SimRanks(shards, ep, etp, r, t)
+            local = [(n, shards[(n, r, t)]) for n in names]
+            got = dict(hf_weights.iter_hf_tensors(local, spec, ps))
+            assert set(got) == set(hf), (r, t)
+            assert all(torch.equal(got[n], hf[n]) for n in hf), (r, t)
