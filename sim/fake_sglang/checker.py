@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from sim.fake_sglang.hf_names import checkpoint_named_tensors
 from sim.fake_sglang.validation import CHECK_WEIGHTS, RequestError, read_body
 
 logger = logging.getLogger(__name__)
@@ -73,8 +74,9 @@ def _skipped(name: str, skip: list[str] | None) -> bool:
 
 
 def model_state(model: torch.nn.Module, skip: list[str] | None = None) -> list[tuple[str, torch.Tensor]]:
-    """Parameters then buffers, as weight_checker.py `_model_state` walks them (shared tensors listed once)."""
-    items = list(model.named_parameters()) + list(model.named_buffers())
+    """Parameters then buffers, as weight_checker.py `_model_state` walks them (shared tensors listed once); MoE
+    experts under their per-expert checkpoint names (hf_names.py), the names a trainer's checksums use."""
+    items = checkpoint_named_tensors(list(model.named_parameters())) + list(model.named_buffers())
     return [(n, t) for n, t in items if not _skipped(n, skip)]
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from sim.fake_sglang.engine import Engine, ScoredPrompt
+from sim.fake_sglang.hf_names import checkpoint_named_tensors
 from sim.fake_sglang.protocol import BadRequest, GenRequest
 from sim.fake_sglang.sampling import sample_batch
 
@@ -212,7 +213,8 @@ class HFEngine(Engine):
     def _params_by_name(self) -> dict[str, torch.Tensor]:
         """The served model's tensors by HF name, built once per model (a weight sync looks up every one)."""
         if self._params is None or self._params[0] is not self.model:
-            self._params = (self.model, self.model.state_dict(keep_vars=True))
+            named = checkpoint_named_tensors(list(self.model.state_dict(keep_vars=True).items()))
+            self._params = (self.model, dict(named))  # MoE experts per expert, as checkpoints name them
         return self._params[1]
 
     async def load_named_tensors(self, named: list[tuple[str, torch.Tensor]]) -> None:
