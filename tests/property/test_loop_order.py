@@ -89,10 +89,15 @@ class _ManagerClass:
         return _Handle(_Manager(self.events))
 
 
+KEPT_WEIGHTS: list[dict[int, bool]] = []  # per driver run: rollout id -> the train call's keep_weights
+
+
 class _Actors:
     def __init__(self, events: list, args: Any) -> None:
         self.events = events
         self.args = args
+        self.kept_weights: dict[int, bool] = {}
+        KEPT_WEIGHTS.append(self.kept_weights)
 
     def init(self, load_path: str | None) -> int:
         return self.args.start_rollout_id or 0  # as TrainRayActor.init without a checkpoint
@@ -103,8 +108,9 @@ class _Actors:
     def status(self) -> list:
         return []
 
-    def train(self, rollout_id: int, refs: list) -> tuple:
+    def train(self, rollout_id: int, refs: list, keep_weights: bool = False) -> tuple:
         self.events.append(("train", rollout_id))
+        self.kept_weights[rollout_id] = keep_weights  # the driver's promise that a weight sync follows
         return [None], {}
 
     def update_weights(self, engines: list, version: int) -> dict:
@@ -209,6 +215,11 @@ def test_train_py_sync_loop_matches_the_driver(tmp_path_factory, p):
     assert real[0] == ("sync", p["start"])
     assert [e for e in real if e[0] == "train"] == [("train", r) for r in range(p["start"], p["num_rollout"])]
     assert real == driver_events(LoopPlan.from_args(args, p["start"]))
+    # a train call keeps the weights on the GPU exactly when its rollout's weight sync follows
+    kept = KEPT_WEIGHTS[-1]
+    for event in real:
+        if event[0] == "train":
+            assert kept[event[1]] == (("sync", event[1] + 1) in real), (event, real)
 
 
 @pytest.mark.parametrize("interval,steps", [(1, 3), (2, 5), (3, 4)])
