@@ -1,7 +1,8 @@
 """Same numbers in every parallel layout, through real megatron-core on gloo: `MegatronTrainer.train` on one
 batch gives the loss, every reduced metric and every parameter's gradient (DDP-reduced, gathered over TP into
 HF names, each pipeline stage's own layers) of the single-process run, for CP=2, CP=4, DP=2 x CP=2, PP=2,
-PP=2 with 2 virtual stages, TP=2 x PP=2 and PP=2 x CP=2.
+PP=2 with 2 virtual stages, TP=2 x PP=2, PP=2 x CP=2, and TP=2 and TP=2 x PP=2 with sequence parallelism (rows
+padded to a multiple of TP, norm gradients summed over TP by megatron's finalize_model_grads).
 
 The batch has uneven groups (fan-out: 1-3 segments per trajectory), samples of one prompt that share its rows
 (`--share-prompt-prefix`), partly masked responses, token-packed micro-batches and a full plus a partial
@@ -26,19 +27,21 @@ pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 SHIM = "sim.fake_megatron.cpu_shim.apply"
 RTOL = 1e-5
 WORLD = 4
-# name -> (processes, tp, cp, pp); "vpp" in the name: 2 virtual stages per pipeline rank (4 layers, 1 per chunk)
+# name -> (processes, tp, cp, pp); "vpp" in the name: 2 virtual stages per pipeline rank (4 layers, 1 per chunk);
+# "sp" in the name: --sequence-parallel
 # what the schedule did rather than what the loss is: CP packs micro-batches of up to cp x --max-tokens-per-gpu
 SCHEDULE_METRICS = ("train/tokens_per_s", "train/packed_tokens_ratio", "train/samples")  # samples: this rank's
 LAYOUTS = {
     "single": (1, 1, 1, 1), "cp2": (2, 1, 2, 1), "cp4": (4, 1, 4, 1), "dp2cp2": (4, 1, 2, 1), "pp2": (2, 1, 1, 2),
-    "pp2vpp2": (2, 1, 1, 2), "tp2pp2": (4, 2, 1, 2), "pp2cp2": (4, 1, 2, 2), "cp2_shifted": (2, 1, 2, 1),
+    "pp2vpp2": (2, 1, 1, 2), "tp2pp2": (4, 2, 1, 2), "pp2cp2": (4, 1, 2, 2), "tp2sp": (2, 2, 1, 1), "tp2pp2sp": (4, 2, 1, 2),
+    "cp2_shifted": (2, 1, 2, 1),
 }  # fmt: skip
 
 
-def _args(ckpt: str, world: int, tp: int, cp: int, pp: int, vpp: bool = False):
+def _args(ckpt: str, world: int, tp: int, cp: int, pp: int, vpp: bool = False, extra: tuple[str, ...] = ()):
     from slime.arguments import parse_args
 
-    return parse_args([*(["--virtual-pipeline-model-parallel-size", "2"] if vpp else []),
+    return parse_args([*(["--virtual-pipeline-model-parallel-size", "2"] if vpp else []), *extra,
         "--hf-checkpoint", ckpt, "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "1",
         "--global-batch-size", "3", "--allow-partial-last-step", "--use-dynamic-batch-size",
         "--max-tokens-per-gpu", "40", "--rollout-num-gpus", "1", "--actor-num-gpus-per-node", str(world),
@@ -101,7 +104,7 @@ def _run(rank: int, name: str, port: int, ckpt: str, out_dir: str) -> None:
     world, tp, cp, pp = LAYOUTS[name]
     if rank >= world:
         return
-    args = _args(ckpt, world, tp, cp, pp, vpp="vpp" in name)
+    args = _args(ckpt, world, tp, cp, pp, vpp="vpp" in name, extra=("--sequence-parallel",) if "sp" in name else ())
     trainer = MegatronTrainer(args, rank, world, "127.0.0.1", port)
     ps = trainer.ps
     if name.endswith("_shifted") and ps.rank("cp") == 1:
@@ -132,6 +135,7 @@ def _run(rank: int, name: str, port: int, ckpt: str, out_dir: str) -> None:
     # one file per pipeline stage (each holds its own layers' gradients), from its first rank
     if ps.rank("tp") == ps.rank("dp") == ps.rank("cp") == 0:
         layout = {d: ps.size(d) for d in ("dp", "tp", "cp", "pp")}
+        layout["sp"] = all(c.config.sequence_parallel for c in chunks)  # what megatron runs, not just the flag
         path = f"{out_dir}/{name}.pp{ps.rank('pp')}.pt"
         torch.save({"metrics": metrics, "grads": grads, "layout": layout}, path)
     destroy_megatron()
@@ -175,12 +179,13 @@ def _grad_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
 
 def test_layouts_are_what_they_claim(runs):
     for name, (world, tp, cp, pp) in LAYOUTS.items():
-        assert runs[name]["layout"] == {"dp": world // (tp * cp * pp), "tp": tp, "cp": cp, "pp": pp}, name
+        want = {"dp": world // (tp * cp * pp), "tp": tp, "cp": cp, "pp": pp, "sp": "sp" in name}
+        assert runs[name]["layout"] == want, name
     assert len(runs["single"]["grads"]) == 2  # a full and a partial step
     assert runs["single"]["metrics"]["train/packed_tokens_ratio"] < 1.0  # prompts really shared rows
 
 
-@pytest.mark.parametrize("name", ["cp2", "cp4", "dp2cp2", "pp2", "pp2vpp2", "tp2pp2", "pp2cp2"])
+@pytest.mark.parametrize("name", ["cp2", "cp4", "dp2cp2", "pp2", "pp2vpp2", "tp2pp2", "pp2cp2", "tp2sp", "tp2pp2sp"])
 def test_loss_metrics_and_gradients_equal_single_process(runs, name):
     want, got = runs["single"], runs[name]
     reduced = [k for k in want["metrics"] if k.startswith("train/") and k not in SCHEDULE_METRICS]

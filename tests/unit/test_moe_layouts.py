@@ -2,10 +2,10 @@
 (Qwen2-MoE layout: 4 routed experts, top-2 renormalised, a gated shared expert) gives the loss, every reduced
 metric and every parameter's gradient (DDP-reduced, gathered over EP into HF names, every expert under its own
 name, each pipeline stage's own layers) of the single-process run, for EP=2 (2 local experts per rank, attention
-data-parallel), DP=2, CP=2, PP=2, EP=2 x CP=2 and EP=2 x PP=2 (4 processes). The batch is
-test_megatron_layouts.py's: uneven groups, shared prompts, packed micro-batches, a full and a partial step,
-`--lr 0`. EP=2 x TP=2 is not here: megatron-core trains MoE layers under TP only with sequence parallelism,
-which slime does not have yet (refused by the flag checks).
+data-parallel), DP=2, CP=2, PP=2, EP=2 x CP=2, EP=2 x PP=2 and EP=2 x TP=2 with sequence parallelism and whole
+experts (ETP=1; megatron-core trains MoE layers under TP only with sequence parallelism) (4 processes). The
+batch is test_megatron_layouts.py's: uneven groups, shared prompts, packed micro-batches, a full and a partial
+step, `--lr 0`.
 
 Negative control: EP rank 1 holds its two experts in swapped slots (the classic local → global index bug); its
 loss and gradients must differ. The router's load-balancing loss: logged as `train/moe_load_balancing_loss` with
@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 
 WORLD = 4
 AUX = 0.01
-# name -> (processes, ep, cp, pp, --moe-aux-loss-coeff)
+# name -> (processes, ep, cp, pp, --moe-aux-loss-coeff); "tp2sp" in the name: TP=2, --sequence-parallel, ETP=1
 LAYOUTS = {
     "single": (1, 1, 1, 1, 0.0),
     "ep2": (2, 2, 1, 1, 0.0),
@@ -37,6 +37,7 @@ LAYOUTS = {
     "pp2": (2, 1, 1, 2, 0.0),
     "ep2cp2": (4, 2, 2, 1, 0.0),
     "ep2pp2": (4, 2, 1, 2, 0.0),
+    "ep2tp2sp": (4, 2, 1, 1, 0.0),
     "ep2_swapped": (2, 2, 1, 1, 0.0),
     "single_aux": (1, 1, 1, 1, AUX),
 }
@@ -66,7 +67,9 @@ def _run(rank: int, name: str, port: int, ckpt: str, out_dir: str) -> None:
     world, ep, cp, pp, aux = LAYOUTS[name]
     if rank >= world:
         return
-    args = _args(ckpt, world, 1, cp, pp)
+    sp = "tp2sp" in name
+    extra = ("--sequence-parallel", "--expert-tensor-parallel-size", "1") if sp else ()
+    args = _args(ckpt, world, 2 if sp else 1, cp, pp, extra=extra)
     args.expert_model_parallel_size, args.moe_aux_loss_coeff = ep, aux
     validate_moe_args(args)  # the flag checks accept this layout
     trainer = MegatronTrainer(args, rank, world, "127.0.0.1", port)
@@ -86,8 +89,9 @@ def _run(rank: int, name: str, port: int, ckpt: str, out_dir: str) -> None:
     trainer.optimizer.step = step_and_keep_grads
     metrics = trainer.train(0, data[ps.rank("dp")])
     grads = [{n: g.clone() for n, g in iter_hf_tensors(s, trainer.spec, ps, layer_offset(chunk))} for s in snapshots]
-    if ps.rank("dp") == ps.rank("cp") == 0:  # one file per pipeline stage (its own layers' gradients)
+    if ps.rank("dp") == ps.rank("cp") == ps.rank("tp") == 0:  # one file per pipeline stage (its own layers' grads)
         layout = {d: ps.size(d) for d in ("dp", "ep", "tp", "etp", "cp", "pp")}
+        layout["sp"] = chunk.config.sequence_parallel  # what megatron runs, not just the flag
         path = f"{out_dir}/{name}.pp{ps.rank('pp')}.pt"
         torch.save({"metrics": metrics, "grads": grads, "layout": layout}, path)
     destroy_megatron()
@@ -118,7 +122,8 @@ def runs(tmp_path_factory):
 
 def test_layouts_are_what_they_claim(runs):
     for name, (world, ep, cp, pp, _) in LAYOUTS.items():
-        want = {"dp": world // (cp * pp), "ep": ep, "tp": 1, "etp": 1, "cp": cp, "pp": pp}
+        tp = 2 if "tp2sp" in name else 1
+        want = {"dp": world // (tp * cp * pp), "ep": ep, "tp": tp, "etp": 1, "cp": cp, "pp": pp, "sp": tp > 1}
         assert runs[name]["layout"] == want, name
     assert len(runs["single"]["grads"]) == 2  # a full and a partial step
     names = set(runs["single"]["grads"][0])
@@ -126,7 +131,7 @@ def test_layouts_are_what_they_claim(runs):
     assert {"model.layers.0.mlp.gate.weight", "model.layers.1.mlp.shared_expert_gate.weight"} <= names
 
 
-@pytest.mark.parametrize("name", ["ep2", "dp2", "cp2", "pp2", "ep2cp2", "ep2pp2"])
+@pytest.mark.parametrize("name", ["ep2", "dp2", "cp2", "pp2", "ep2cp2", "ep2pp2", "ep2tp2sp"])
 def test_loss_metrics_and_gradients_equal_single_process(runs, name):
     want, got = runs["single"], runs[name]
     reduced = [k for k in want["metrics"] if k.startswith("train/") and k not in SCHEDULE_METRICS + PER_MICROBATCH]

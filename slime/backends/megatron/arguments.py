@@ -11,10 +11,7 @@ from slime.backends.megatron.hf_config import MOE_MODEL_TYPES, HFModelSpec, read
 from slime.utils.errors import SlimeArgError
 
 # Flags whose features are not built yet; setting one is refused before Ray starts (slime/arguments.py).
-UNSUPPORTED = {
-    "sequence_parallel": "sequence parallelism: megatron-core 0.16.1's local-spec norm (WrappedTorchNorm) refuses it; "
-    "slime has no sequence-parallel norm yet",
-}
+UNSUPPORTED: dict[str, str] = {}
 
 
 def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,7 +55,12 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
         help="MoE: weight of megatron's router load-balancing (aux) loss in the train loss (default: the "
         "checkpoint's router_aux_loss_coef; 0 turns the term off, train/moe_load_balancing_loss is logged anyway)",
     )
-    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="split the sequence over the TP group outside attention and the MLP (norms, residuals, dropout); "
+        "needs --tensor-model-parallel-size > 1; required for MoE with TP > 1",
+    )
     g.add_argument("--lr", type=float, default=1e-6)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument(
@@ -167,6 +169,19 @@ def validate_megatron_args(args: argparse.Namespace) -> None:
         raise SlimeArgError(
             "--context-parallel-size > 1 with --advantage-estimator ppo: the critic is not context-parallel yet"
         )
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        raise SlimeArgError(
+            "--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the sequence over the TP group)"
+        )
+    if args.sequence_parallel and (cp > 1 or (vpp or 1) > 1):
+        raise SlimeArgError(
+            "--sequence-parallel with --context-parallel-size > 1 or virtual pipeline stages is not proven yet "
+            "(tests/unit/test_megatron_layouts.py covers TP x SP and TP x PP x SP)"
+        )
+    if args.sequence_parallel and args.advantage_estimator == "ppo":
+        raise SlimeArgError(
+            "--sequence-parallel with --advantage-estimator ppo: the critic's value head is not sequence-parallel yet"
+        )
     validate_moe_args(args)
     if args.update_weights_interval < 1:
         raise SlimeArgError("--update-weights-interval must be >= 1")
@@ -199,8 +214,8 @@ def _moe_spec(args: argparse.Namespace) -> HFModelSpec | None:
 
 def validate_moe_args(args: argparse.Namespace) -> None:
     """Expert parallelism only for MoE checkpoints, and MoE only in the layouts proven equal to one process
-    (tests/unit/test_moe_layouts.py: EP, DP, CP, PP and EP with CP or PP); each refusal is one line before Ray
-    starts."""
+    (tests/unit/test_moe_layouts.py: EP, DP, CP, PP, EP with CP or PP, and EP x TP with sequence parallelism and
+    whole experts); each refusal is one line before Ray starts."""
     ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
     if ep < 1 or (etp is not None and etp < 1):
         raise SlimeArgError("--expert-model-parallel-size and --expert-tensor-parallel-size must be >= 1")
@@ -213,13 +228,16 @@ def validate_moe_args(args: argparse.Namespace) -> None:
             raise SlimeArgError(f"{flag} needs an MoE checkpoint (qwen2_moe, qwen3_moe); --hf-checkpoint is dense")
         return
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if tp > 1:
+    if tp > 1 and not args.sequence_parallel:
         raise SlimeArgError(
             "--tensor-model-parallel-size > 1 with an MoE model: megatron-core trains MoE layers under TP only with "
-            "sequence parallelism, which slime does not have yet; use --expert-model-parallel-size instead"
+            "sequence parallelism; add --sequence-parallel"
         )
-    if etp not in (None, 1):
-        raise SlimeArgError("--expert-tensor-parallel-size > 1 is not supported yet (experts are whole on each rank)")
+    if (etp or tp) > 1:  # megatron's default expert TP size is the TP size
+        raise SlimeArgError(
+            "--expert-tensor-parallel-size > 1 is not supported yet (experts are whole on each rank); with "
+            "--tensor-model-parallel-size > 1 pass --expert-tensor-parallel-size 1"
+        )
     if (args.virtual_pipeline_model_parallel_size or 1) > 1:
         raise SlimeArgError("--virtual-pipeline-model-parallel-size with an MoE model is not supported yet")
     if args.advantage_estimator == "ppo":

@@ -26,6 +26,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from slime.backends.megatron.attention import SDPACoreAttention
 from slime.backends.megatron.hf_config import (
@@ -39,8 +40,37 @@ from slime.backends.megatron.rope import use_positional_rope
 logger = logging.getLogger(__name__)
 
 
+class RMSNorm(torch.nn.RMSNorm):
+    """The local spec's RMSNorm (`torch.nn.RMSNorm`, as megatron's `WrappedTorchNorm` builds it) that also runs
+    under sequence parallelism.
+
+    Why: `WrappedTorchNorm` asserts `not config.sequence_parallel`, yet an RMSNorm needs nothing from its TP peers:
+    it normalises each token over the hidden dimension, so a rank holding a slice of the sequence computes its
+    tokens' rows exactly. Only its weight's gradient is then partial (each TP rank saw its own tokens): the
+    weight is marked `sequence_parallel`, and megatron's `finalize_model_grads` sums such gradients over TP.
+    `sequence_parallel_input=False` is for the Q/K norms, which run on whole-sequence heads after the QKV
+    projection's gather (megatron sums their gradients over TP by name already)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str = "RMSNorm",
+        sequence_parallel_input: bool = True,
+    ) -> None:
+        if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
+            raise ValueError(f"slime's RMSNorm cannot be {config.normalization} (zero-centered gamma: "
+                             f"{config.layernorm_zero_centered_gamma})")  # fmt: skip
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = bool(config.sequence_parallel and sequence_parallel_input)
+
+
 def gpt_layer_spec(spec: HFModelSpec) -> ModuleSpec:
-    """megatron-core's local GPT layer spec (RMSNorm, SwiGLU MLP) with `SDPACoreAttention` as core attention.
+    """megatron-core's local GPT layer spec (RMSNorm, SwiGLU MLP) with `SDPACoreAttention` as core attention and
+    slime's `RMSNorm` (which, unlike the wrapped torch norm, allows sequence parallelism) for every norm.
 
     MoE checkpoints get megatron's MoE layer from the same local spec: `TopKRouter`, `SequentialMLP` experts (one
     local `MLP` per expert: no grouped GEMM, which needs TE or the grouped_gemm kernels) and, for Qwen2-MoE, a
@@ -51,8 +81,22 @@ def gpt_layer_spec(spec: HFModelSpec) -> ModuleSpec:
         normalization="RMSNorm",
         qk_layernorm=spec.qk_layernorm,
     )
-    layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    sub = layer.submodules
+    sub.input_layernorm = sub.pre_mlp_layernorm = RMSNorm
+    attn = sub.self_attention.submodules
+    attn.core_attention = SDPACoreAttention
+    if spec.qk_layernorm:
+        attn.q_layernorm = attn.k_layernorm = ModuleSpec(module=RMSNorm, params={"sequence_parallel_input": False})
     return layer
+
+
+def gpt_block_spec(
+    spec: HFModelSpec, config: TransformerConfig, vp_stage: int | None = None
+) -> TransformerBlockSubmodules:
+    """This stage's layers plus the final norm: given as a block so that the final norm is slime's `RMSNorm`
+    (from a layer spec alone megatron picks `WrappedTorchNorm`, which refuses sequence parallelism)."""
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[gpt_layer_spec(spec)] * layers, layer_norm=RMSNorm)
 
 
 def _moe_without_transformer_engine() -> None:
@@ -97,7 +141,7 @@ def build_gpt_model(
         post_process = mpu.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=gpt_layer_spec(spec),
+        transformer_layer_spec=gpt_block_spec(spec, config, vp_stage),
         vocab_size=padded_vocab_size(spec.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=pre_process,
