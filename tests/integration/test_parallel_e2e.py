@@ -68,3 +68,19 @@ def test_pp2_trains_the_toy_task_syncs_every_stage_and_saves_hf(assets, tmp_path
     assert set(index) == set(start)  # every weight, from both stages
     model = AutoModelForCausalLM.from_pretrained(saved)
     assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_colocated_tp2_syncs_exact_weights_every_rollout(assets, tmp_path):  # noqa: F811
+    """Colocated TP=2: each sync's export gathers TP shards in the packer thread while the posting thread gathers
+    the two ranks' payloads to the engine's leader (weight_sync.py); the engine's checksums equal the trainer's."""
+    flags = [*_with_gpus(toy_flags(assets), 2), "--tensor-model-parallel-size", "2", "--colocate"]
+    rollout = rollout_flags(assets)
+    rollout[rollout.index("--rollout-num-gpus") + 1] = "2"
+    out, _ = run_slime(
+        [*flags, *rollout, "--rollout-num-gpus-per-engine", "2", "--check-weight-update-equal"], tmp_path / "tp2"
+    )
+    assert sorted(int(k) for k in out["hashes"]) == list(range(NUM_ROLLOUT))
+    for rid in range(NUM_ROLLOUT):
+        m = out["metrics"][str(rid)]
+        assert m["train/update_successful"] == 1.0 and m["weight_sync/checked_tensors"] > 0, (rid, m)
+        assert m["time/actor_release_weights"] >= 0 and m["weight_sync/total_s"] > 0, (rid, m)

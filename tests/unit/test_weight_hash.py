@@ -171,3 +171,16 @@ def test_snapshot_reset_compare_and_errors():
     assert bogus[0] == 400 and "Unsupported" in bogus[1]["message"]
     [(status, body)] = asyncio.run(_call(_Engine(None), {"action": "checksum"}))
     assert status == 400 and not body["success"] and "no weights" in body["message"]
+
+
+def test_hashing_a_parameter_leaves_its_storage_releasable():
+    """The offloader releases a sleeping trainer's params by resizing their storages; a checksum of a live
+    parameter (a view in the export) must not hand that storage to numpy, which makes it non-resizable."""
+    from slime.backends.megatron.weight_hash import tensor_checksum
+
+    p = torch.nn.Parameter(torch.randn(8, 4))
+    before = tensor_checksum(p[:, 1])  # a strided view, as the export yields
+    assert p.untyped_storage().resizable()
+    p.untyped_storage().resize_(0)  # what offload.py does to release it
+    p.untyped_storage().resize_(8 * 4 * 4)
+    assert len(before) == 16

@@ -43,8 +43,11 @@ class WeightMismatch(RuntimeError):
 
 
 def tensor_checksum(t: torch.Tensor) -> str:
-    """16 hex digits: the first 8 bytes (big-endian) of SHA-256 over the tensor's contiguous CPU bytes."""
-    t = t.detach().to("cpu").contiguous()
+    """16 hex digits: the first 8 bytes (big-endian) of SHA-256 over the tensor's contiguous CPU bytes.
+
+    Always hashes a copy: handing a tensor's memory to numpy makes its storage non-resizable for good, and the
+    tensor may be a view of a live parameter, whose storage the offloader resizes to release it (offload.py)."""
+    t = t.detach().to("cpu", copy=True).contiguous()
     raw = t.reshape(-1).view(torch.uint8).numpy()
     return hashlib.sha256(memoryview(raw)).digest()[:8].hex()
 
