@@ -38,6 +38,8 @@ IMPLEMENTED_BY_PARSER = {
     "dump_details": "validate_args derives --save-debug-rollout-data from it",
     "offload": "validate_cluster_args turns on --offload-train and --offload-rollout",
     "num_steps_per_rollout": "validate_batching_args derives --global-batch-size from it",
+    "num_layers_per_virtual_pipeline_stage": "validate_megatron_args derives --virtual-pipeline-model-parallel-size "
+    "from it (tests/unit/test_vpp_flag.py)",
     "agent_harness": "resolve_agent_args sets --custom-generate-function-path to the harness's generate",
 }
 

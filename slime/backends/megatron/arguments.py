@@ -25,6 +25,13 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
         help="model chunks per pipeline rank (megatron's interleaved schedule); needs --pipeline-model-parallel-size > 1",
     )
     g.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="Megatron-LM's other way to ask for virtual stages: decoder layers per model chunk; sets "
+        "--virtual-pipeline-model-parallel-size to the checkpoint's layers / (pipeline size x this)",
+    )
+    g.add_argument(
         "--microbatch-group-size-per-vp-stage",
         type=int,
         default=None,
@@ -148,6 +155,8 @@ def validate_megatron_args(args: argparse.Namespace) -> None:
             f"--pipeline-model-parallel-size {pp} does not divide the {args.world_size} train GPUs "
             "(--actor-num-nodes x --actor-num-gpus-per-node)"
         )
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        args.virtual_pipeline_model_parallel_size = _vpp_from_layers_per_stage(args, pp)
     vpp, group = args.virtual_pipeline_model_parallel_size, args.microbatch_group_size_per_vp_stage
     if vpp is not None and (vpp < 1 or (vpp > 1 and pp == 1)):
         raise SlimeArgError("--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size > 1")
@@ -194,6 +203,34 @@ def validate_megatron_args(args: argparse.Namespace) -> None:
         )
     if args.save_interval is not None and args.save_interval <= 0:
         raise SlimeArgError("--save-interval must be > 0")
+
+
+def _vpp_from_layers_per_stage(args: argparse.Namespace, pp: int) -> int:
+    """--num-layers-per-virtual-pipeline-stage as the number of model chunks per pipeline rank."""
+    per = args.num_layers_per_virtual_pipeline_stage
+    if args.virtual_pipeline_model_parallel_size is not None:
+        raise SlimeArgError(
+            "--num-layers-per-virtual-pipeline-stage and --virtual-pipeline-model-parallel-size both ask for "
+            "virtual stages: pass one"
+        )
+    if per < 1 or pp == 1:
+        raise SlimeArgError(
+            "--num-layers-per-virtual-pipeline-stage needs a value >= 1 and --pipeline-model-parallel-size > 1"
+        )
+    path = os.path.join(args.hf_checkpoint or "", "config.json")
+    try:
+        with open(path) as f:
+            layers = int(json.load(f)["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise SlimeArgError(
+            f"--num-layers-per-virtual-pipeline-stage needs the layer count of --hf-checkpoint ({path} unreadable)"
+        ) from None
+    if layers % (pp * per):
+        raise SlimeArgError(
+            f"--num-layers-per-virtual-pipeline-stage {per} x --pipeline-model-parallel-size {pp} does not divide "
+            f"the checkpoint's {layers} layers"
+        )
+    return layers // (pp * per)
 
 
 def _moe_spec(args: argparse.Namespace) -> HFModelSpec | None:
