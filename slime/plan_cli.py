@@ -89,9 +89,10 @@ def render_table(plan: DeploymentPlan, source: str | None) -> str:
 
 def train_ranks(args: argparse.Namespace) -> list[dict[str, int]]:
     """Every train rank's place: node, GPU on the node, and its rank along tp, cp, dp and pp, in megatron's
-    order (tp-cp-ep-dp-pp: TP neighbours adjacent, stages farthest apart). `sender`: 1 for the rank of its
+    order (tp-cp-ep-dp-pp: TP neighbours adjacent, stages farthest apart), and for MoE layouts along ep and etp
+    of megatron's expert layout. `sender`: 1 for the rank of its
     stage that sends weights to the engines (dp = tp = cp = 0). Empty with --debug-rollout-only."""
-    from slime.backends.megatron.rank_layout import rank_groups, rank_of
+    from slime.backends.megatron.rank_layout import expert_rank_groups, rank_groups, rank_of
 
     if args.debug_rollout_only:
         return []
@@ -105,6 +106,12 @@ def train_ranks(args: argparse.Namespace) -> list[dict[str, int]]:
         row.update({d: where[d][r][1] for d in ("tp", "cp", "dp", "pp")})
         row["sender"] = int(row["tp"] == row["cp"] == row["dp"] == 0)
         rows.append(row)
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    if ep > 1 or (etp or 1) > 1:  # MoE: where each rank sits in megatron's second (expert) layout
+        experts = expert_rank_groups(world, tp=tp, pp=pp, ep=ep, etp=etp)
+        for d in ("ep", "etp"):
+            for r, (_, pos) in enumerate(rank_of(experts[d], world)):
+                rows[r][d] = pos
     return rows
 
 
@@ -114,12 +121,11 @@ def render_ranks(rows: list[dict[str, int]]) -> str:
 
     console = Console(file=io.StringIO(), width=160, record=True, force_terminal=False)
     t = Table(title="train ranks (megatron order tp-cp-ep-dp-pp)")
-    for col in ("rank", "node", "gpu", "tp", "cp", "dp", "pp", "sender"):
+    cols = ["rank", "node", "gpu", "tp", "cp", "dp", "pp"] + [c for c in ("ep", "etp") if rows and c in rows[0]]
+    for col in [*cols, "sender"]:
         t.add_column(col, justify="right")
     for row in rows:
-        t.add_row(
-            *(str(row[c]) for c in ("rank", "node", "gpu", "tp", "cp", "dp", "pp")), "yes" if row["sender"] else ""
-        )
+        t.add_row(*(str(row[c]) for c in cols), "yes" if row["sender"] else "")
     console.print(t)
     return console.export_text()
 
