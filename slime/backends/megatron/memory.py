@@ -19,6 +19,9 @@ its host keeps, by offload policy (slime/backends/megatron/offload.py):
     legacy            the whole region p·N + 4·N + optimizer, and one more unpinned copy p·N of the weights
     none              (no --offload-train) nothing: the trainer never sleeps
 
+(MoE: N counts this rank's `num_experts / ep` experts, and their optimizer state is sharded over the
+expert-data-parallel group, tp·dp·cp / ep ranks, instead of d; activations hold top-k copies of each token's MLP)
+
 so the default saves (p + 4)·N bytes of host per rank for every trained model, 6 B/param in bf16 (actor and
 critic alike: each has its own weight copy under either policy). The reference policy (KL) adds a host copy
 p·N under both policies, and its log-prob pass a transient one (the actor's weights while swapped out).
@@ -56,31 +59,60 @@ class ModelShape:
     qkv_bias: bool
     qk_layernorm: bool
     tie_word_embeddings: bool
+    # MoE (0 for dense models): every layer's MLP is a router, the experts and, for Qwen2-MoE, a gated shared expert
+    num_experts: int = 0
+    moe_router_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     @classmethod
     def of(cls, spec: Any) -> ModelShape:
-        return cls(**{f: getattr(spec, f) for f in cls.__dataclass_fields__})
+        return cls(**{f: getattr(spec, f, None) or 0 if f in _MOE_FIELDS else getattr(spec, f) for f in cls.__dataclass_fields__})  # fmt: skip
+
+
+_MOE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "shared_expert_intermediate_size")
+
+
+def mlp_params_per_layer(shape: ModelShape, tp: int, ep: int = 1) -> tuple[int, int]:
+    """(dense, expert) parameters of one layer's MLP on a rank: dense ones are TP-sharded (router and shared
+    gate replicated); expert ones are this rank's `num_experts / ep` experts, whole (expert TP 1)."""
+    h = shape.hidden_size
+    if not shape.num_experts:
+        return 3 * shape.ffn_hidden_size * h // tp, 0
+    dense = shape.num_experts * h  # router
+    if shape.shared_expert_intermediate_size:
+        dense += 3 * shape.shared_expert_intermediate_size * h // tp + h  # shared expert and its sigmoid gate
+    return dense, shape.num_experts // ep * 3 * shape.moe_ffn_hidden_size * h
 
 
 def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // tp) * tp
 
 
-def params_per_rank(shape: ModelShape, tp: int, pp: int, pp_rank: int, *, critic: bool = False) -> int:
+def params_per_rank(shape: ModelShape, tp: int, pp: int, pp_rank: int, *, critic: bool = False, ep: int = 1) -> int:
     """Parameters of one rank of stage `pp_rank`: megatron-core's local-spec GPTModel, TP-sharded.
 
     Embedding (first stage) and output layer (last stage) are vocab-parallel over the vocabulary padded to a
     multiple of tp; a tied model's last stage keeps its own copy of the output weight when pp > 1. The critic
-    unties, and its output layer is the value head (hidden + 1, replicated)."""
-    h, f = shape.hidden_size, shape.ffn_hidden_size
+    unties, and its output layer is the value head (hidden + 1, replicated). MoE: `ep` splits the experts."""
+    return sum(param_split(shape, tp, pp, pp_rank, critic=critic, ep=ep))
+
+
+def param_split(
+    shape: ModelShape, tp: int, pp: int, pp_rank: int, *, critic: bool = False, ep: int = 1
+) -> tuple[int, int]:
+    """`params_per_rank` as (dense, expert): the distributed optimizer shards the two over different groups."""
+    h = shape.hidden_size
     q, kv = shape.num_attention_heads * shape.kv_channels, shape.num_query_groups * shape.kv_channels
     if shape.num_layers % pp:
         raise ValueError(f"{shape.num_layers} layers do not split into {pp} pipeline stages")
     per_layer = 2 * h  # input_layernorm, pre_mlp_layernorm (replicated)
     per_layer += (q + 2 * kv) * h // tp + (q + 2 * kv) // tp * shape.qkv_bias  # linear_qkv (+ bias)
     per_layer += 2 * shape.kv_channels * shape.qk_layernorm  # q/k layernorm over the head dim
-    per_layer += q * h // tp + 3 * f * h // tp  # linear_proj, linear_fc1 (gate + up), linear_fc2
-    n = per_layer * (shape.num_layers // pp)
+    dense_mlp, expert_mlp = mlp_params_per_layer(shape, tp, ep)
+    per_layer += q * h // tp + dense_mlp  # linear_proj, the MLP's dense part
+    layers = shape.num_layers // pp
+    n = per_layer * layers
     vocab_rows = padded_vocab(shape.vocab_size, tp) // tp * h
     first, last = pp_rank == 0, pp_rank == pp - 1
     if first:
@@ -91,21 +123,32 @@ def params_per_rank(shape: ModelShape, tp: int, pp: int, pp_rank: int, *, critic
             n += h + 1
         elif not shape.tie_word_embeddings or pp > 1:
             n += vocab_rows
-    return n
+    return n, expert_mlp * layers
+
+
+def _mlp_width_per_token(shape: ModelShape, tp: int) -> int:
+    """fc1 (gate + up) plus SwiGLU output widths one token occupies: for MoE, once per routed expert (top-k
+    copies, whole experts) plus the permuted hidden copies, and the TP-sharded shared expert."""
+    if not shape.num_experts:
+        return 3 * shape.ffn_hidden_size // tp
+    routed = shape.moe_router_topk * (3 * shape.moe_ffn_hidden_size + shape.hidden_size)
+    return routed + 3 * shape.shared_expert_intermediate_size // tp
 
 
 def activation_bytes_per_token(shape: ModelShape, tp: int, p: int) -> int:
     """Bytes one token leaves saved for backward in one layer (local spec, SDPA attention, no recompute):
     the layer input and both norm outputs and the residual (4·h, replicated over TP), q/k/v, the rotated q/k,
-    the attention output, the fc1 output (gate + up) and the SwiGLU output (TP-sharded)."""
-    h, f = shape.hidden_size, shape.ffn_hidden_size
+    the attention output, the fc1 output (gate + up) and the SwiGLU output (TP-sharded; MoE: per routed expert)."""
+    h = shape.hidden_size
     q, kv = shape.num_attention_heads * shape.kv_channels, shape.num_query_groups * shape.kv_channels
-    return p * (4 * h + ((q + 2 * kv) + (q + kv) + q + 3 * f) // tp)
+    if not shape.num_experts:
+        return p * (4 * h + ((q + 2 * kv) + (q + kv) + q + 3 * shape.ffn_hidden_size) // tp)
+    return p * (4 * h + ((q + 2 * kv) + (q + kv) + q) // tp + _mlp_width_per_token(shape, tp))
 
 
 def forward_bytes_per_token(shape: ModelShape, tp: int, p: int) -> int:
     """Peak transient bytes per token of a no-grad layer forward (its input, the fc1 and SwiGLU outputs)."""
-    return p * (2 * shape.hidden_size + 3 * shape.ffn_hidden_size // tp)
+    return p * (2 * shape.hidden_size + _mlp_width_per_token(shape, tp))
 
 
 def loss_bytes_per_token(shape: ModelShape, tp: int, p: int, *, train: bool) -> int:
@@ -124,6 +167,7 @@ class MemoryConfig:
     pp: int = 1
     dp: int = 1
     cp: int = 1
+    ep: int = 1  # MoE: experts split over ep ranks; their optimizer state over the expert-DP group
     reference: bool = False
     distributed_optimizer: bool = True
     bf16: bool = True
@@ -235,9 +279,12 @@ class MemoryPlan:
 
 
 def _role_state(cfg: MemoryConfig, role: str, shape: ModelShape, pp_rank: int) -> RoleState:
-    n = params_per_rank(shape, cfg.tp, cfg.pp, pp_rank, critic=role == "critic")
+    dense, expert = param_split(shape, cfg.tp, cfg.pp, pp_rank, critic=role == "critic", ep=cfg.ep)
+    n = dense + expert
     d = cfg.dp * cfg.cp if cfg.distributed_optimizer else 1
-    shard = math.ceil(n / d)
+    # expert params are replicated over expert-DP = world / (ep × pp) ranks (expert TP 1), not over dp × cp
+    d_expert = cfg.tp * cfg.dp * cfg.cp // cfg.ep if cfg.distributed_optimizer else 1
+    shard = math.ceil(dense / d) + (math.ceil(expert / d_expert) if expert else 0)
     p = 2 if cfg.bf16 else 4
     gpu = {"params": p * n, "grads": 4 * n, "master": 4 * shard if cfg.bf16 else 0, "adam_m": 4 * shard,
            "adam_v": 4 * shard}  # fmt: skip
@@ -394,6 +441,7 @@ def config_from_args(
         pp=pp,
         dp=dp,
         cp=cp,
+        ep=args.expert_model_parallel_size,
         reference=bool(args.use_kl_loss or args.kl_coef),
         distributed_optimizer=bool(distributed),
         bf16=bool(args.bf16),
