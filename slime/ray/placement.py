@@ -73,6 +73,8 @@ def init_ray(args: Namespace) -> None:
     import torch
 
     has_gpu = torch.cuda.is_available()
+    global _logical_gpus
+    _logical_gpus = not has_gpu
     ray.init(
         address="local",  # a new cluster even if `ray start` left one on this machine (it is never joined by accident)
         num_cpus=max(os.cpu_count() or 1, 2) + 2,
@@ -83,6 +85,11 @@ def init_ray(args: Namespace) -> None:
         logging_level=_ray_level(args),
         log_to_driver=True,
     )
+
+
+# True once init_ray started a cluster of this machine alone with logical GPUs (no CUDA here): then every bundle is
+# on this node and its GPU id is a name only, so create_placement_group needs no probe actors to learn them.
+_logical_gpus = False
 
 
 @ray.remote(num_cpus=0)
@@ -147,6 +154,9 @@ def create_placement_group(args: Namespace, timeout: float = 120.0) -> Placement
             f"the placement group of {num_bundles} GPUs was not granted within {timeout:.0f}s: the cluster has the "
             "GPUs, but other jobs hold them"
         ) from None
+    if _logical_gpus:  # one node, logical GPUs: logical GPU k is bundle k (a probe actor per bundle costs a process)
+        logger.info("placement group: %d bundles, rollout offset %d", num_bundles, rollout_offset)
+        return Placement(pg, list(range(num_bundles)), list(range(num_bundles)), rollout_offset)
     infos = []
     for i in range(num_bundles):
         actor = _InfoActor.options(
