@@ -139,3 +139,19 @@ def test_kept_sync_views_send_exactly_what_the_export_sends(ckpt, tmp_path):
     assert r["shapes_differ"] > 0, r
     assert r["equal_export"] and r["same_list"] and r["equal_after_change"] and r["asleep_is_export"], r
     assert r["equal_after_wake"], r
+
+
+def test_a_failed_post_stops_the_packer_thread(ckpt):
+    """An engine that refuses a bucket fails the sync at once, and the packer thread (still holding packed buckets
+    to hand over) is stopped, not left blocked behind."""
+    import threading
+
+    named = [(f"model.layers.{i}.nope.weight", torch.zeros(64)) for i in range(20)]  # one bucket each
+    with launch_fake_sglang(["--engine", "hf", "--model-path", str(ckpt)]) as srv:
+        sync = TensorWeightSync([srv.url], bucket_bytes=256)
+        try:
+            with pytest.raises(Exception, match="unknown parameter names"):
+                sync.sync(named, weight_version=1)
+        finally:
+            sync.close()
+    assert not [t for t in threading.enumerate() if t.name == "weight-sync-pack"]

@@ -18,6 +18,7 @@ import io
 import logging
 import pickle
 import queue
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -86,7 +87,7 @@ class TensorWeightSync:
     def sync(self, named_tensors: Iterable[Item], weight_version: int) -> dict[str, float]:
         """Every rank calls this with the same stream of HF-named tensors; returns what the leaders posted.
 
-        Pipelined: a thread converts and packs the buckets (`_packed`) while this one opens the session and posts
+        Pipelined: a thread converts and packs the buckets (`_produce`) while this one opens the session and posts
         the bucket before, so the engines' work and the HTTP round trips hide the export's. At most two packed
         buckets wait, so the memory bound stays a few buckets."""
         clients = list(self.clients.values())
@@ -124,7 +125,9 @@ class TensorWeightSync:
             session += time.perf_counter() - t0
         finally:
             stop.set()
-            producer.join()
+            producer.join(timeout=None if sys.exc_info()[0] is None else 60.0)
+            if producer.is_alive():  # stuck in a collective whose peer failed too: let the error through
+                logger.warning("weight sync: the packer thread is still running after the sync failed")
         total = time.perf_counter() - t_start
         if clients:
             logger.info("weight version %d: %d buckets, %.1f MiB to %d engine(s) in %.3fs", weight_version,
