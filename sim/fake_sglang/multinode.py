@@ -10,7 +10,9 @@ fake reproduces it without the model work:
   answers /health and /health_generate 503 while a rank is missing (the whole engine waits on every node);
 - node rank K >= 1 opens no listening socket: it connects to the dist-init address, retrying until rank 0 is up
   (for ``--dist-timeout`` seconds), says who it is, then holds the connection; it exits when rank 0 goes away
-  (the connection ends) or on SIGTERM.
+  (the connection ends) or on SIGTERM. Rank 0 accepts before its model has loaded, so a hello may wait: a rank
+  that got no answer in ``HELLO_TIMEOUT_S`` asks again on a new connection (within the same deadline), and rank 0
+  lets a repeated hello replace the rank's earlier connection.
 
 Wire format (one JSON line each way): ``{"node_rank": K, "nnodes": N}`` then ``{"ok": true}`` or
 ``{"ok": false, "error": "..."}``.
@@ -65,12 +67,17 @@ class NodeRendezvous:
                 logger.error("refused a node: %s", error)
                 rank = None
                 return
+            earlier = self._peers.get(rank)
+            if earlier is not None:  # the node asked again (its first hello waited too long): this one counts
+                logger.warning("node rank %d joined again; its earlier connection is dropped", rank)
+                earlier.close()
             self._peers[rank] = writer
             logger.info("node rank %d joined (%d of %d)", rank, len(self._peers) + 1, self.nnodes)
             if not self.missing():
                 self.all_joined.set()
             await reader.read()  # until the node goes away: nothing more is sent
-            logger.error("node rank %d left; the engine is unhealthy until it rejoins", rank)
+            if self._peers.get(rank) is writer:
+                logger.error("node rank %d left; the engine is unhealthy until it rejoins", rank)
         except (OSError, ValueError, KeyError, TypeError, TimeoutError) as e:
             logger.error("node connection failed: %r", e)
         finally:
@@ -84,8 +91,6 @@ class NodeRendezvous:
             return f"node says --nnodes {nnodes}, node rank 0 has --nnodes {self.nnodes}"
         if not isinstance(rank, int) or not 1 <= rank < self.nnodes:
             return f"node rank {rank!r} is not in [1, {self.nnodes})"
-        if rank in self._peers:
-            return f"node rank {rank} already joined"
         return None
 
     async def close(self) -> None:
@@ -104,20 +109,31 @@ async def run_follower(dist_init_addr: str, node_rank: int, nnodes: int, timeout
     while True:
         try:
             reader, writer = await asyncio.open_connection(host, port)
-            break
         except OSError as e:
             if time.monotonic() >= deadline:
                 logger.error("node rank %d: node rank 0 not reachable at %s within %.0fs (%s)",
                              node_rank, dist_init_addr, timeout_s, e)  # fmt: skip
                 return 1
             await asyncio.sleep(RETRY_INTERVAL_S)
-    writer.write(json.dumps({"node_rank": node_rank, "nnodes": nnodes}).encode() + b"\n")
-    await writer.drain()
-    try:
-        reply = json.loads(await asyncio.wait_for(reader.readline(), HELLO_TIMEOUT_S) or b"{}")
-    except (TimeoutError, ValueError) as e:
-        logger.error("node rank %d: no answer from node rank 0 at %s: %r", node_rank, dist_init_addr, e)
-        return 1
+            continue
+        writer.write(json.dumps({"node_rank": node_rank, "nnodes": nnodes}).encode() + b"\n")
+        await writer.drain()
+        try:
+            reply = json.loads(await asyncio.wait_for(reader.readline(), HELLO_TIMEOUT_S) or b"{}")
+            break
+        except TimeoutError:
+            # node rank 0 accepts before its model is loaded and answers once its loop is free again: a busy
+            # machine can take longer than one hello's wait, so ask again until the join deadline
+            writer.close()
+            if time.monotonic() >= deadline:
+                logger.error("node rank %d: no answer from node rank 0 at %s within %.0fs", node_rank,
+                             dist_init_addr, timeout_s)  # fmt: skip
+                return 1
+            logger.warning("node rank %d: node rank 0 at %s has not answered yet; asking again", node_rank,
+                           dist_init_addr)  # fmt: skip
+        except ValueError as e:
+            logger.error("node rank %d: no answer from node rank 0 at %s: %r", node_rank, dist_init_addr, e)
+            return 1
     if not reply.get("ok"):
         logger.error("node rank %d: node rank 0 refused to join: %s", node_rank, reply.get("error"))
         return 1

@@ -163,3 +163,45 @@ def test_node1_gives_up_with_a_clear_error_and_a_mismatched_node_is_refused():
         for p in (stranger, node0):
             if p is not None:
                 stop_popen(p)
+
+
+def test_a_hello_that_waits_too_long_is_asked_again(monkeypatch):
+    """Node rank 0 accepts before its model has loaded; while loading, its loop answers nothing. A follower whose
+    hello got no answer in HELLO_TIMEOUT_S asks again, and rank 0 counts the rank once, on the newer connection."""
+    import asyncio
+    import threading
+
+    from sim.fake_sglang import multinode
+
+    monkeypatch.setattr(multinode, "HELLO_TIMEOUT_S", 0.3)
+    port = find_free_port()
+    rendezvous = multinode.NodeRendezvous("127.0.0.1", port, 2)
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+
+    def serve() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(rendezvous.start())
+        ready.set()
+        loop.call_soon(time.sleep, 1.2)  # rank 0 busy (loading its model): the first hello waits past its timeout
+        loop.run_forever()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    ready.wait(10)
+    result: dict = {}
+
+    async def follower() -> None:
+        task = asyncio.create_task(multinode.run_follower(f"127.0.0.1:{port}", 1, 2, timeout_s=10))
+        await asyncio.sleep(2.5)  # past the busy spell, the first hello's timeout and the second hello
+        result["joined"] = rendezvous.all_joined.is_set()  # still joined: not only for the moment of a hello
+        result["peers"] = list(rendezvous._peers)
+        result["follower_alive"] = not task.done()  # it holds its connection, as a joined node rank does
+        task.cancel()
+
+    try:
+        asyncio.run(follower())
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+    assert result["joined"] and result["peers"] == [1] and result["follower_alive"], result

@@ -160,7 +160,7 @@ def test_critic_and_actor_from_role_args(tmp_path):
     # offload: both policies restore the weights; the default keeps (param bytes + 4) per param less on the host
     d, legacy = r["ledger"]["default"], r["ledger"]["legacy"]
     assert d["restored"] and legacy["restored"] and d["exported"] == legacy["exported"] > 0
-    assert d["calls"] == ["copy_params_to_pinned", "release:grads", "release:params", "pause:optimizer",
+    assert d["calls"] == ["release:grads", "pause:optimizer", "copy_params_to_pinned", "release:params",
                           "resume:optimizer", "restore_params", "zero_grads"]  # fmt: skip
     assert legacy["calls"] == ["copy_params_unpinned", "pause:train", "resume:train", "restore_params"]
     assert d["params"] == 4 * r["numel"] and d["grads"] == 4 * r["numel"]  # fp32 on CPU
