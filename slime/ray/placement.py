@@ -75,16 +75,25 @@ def init_ray(args: Namespace) -> None:
     has_gpu = torch.cuda.is_available()
     global _logical_gpus
     _logical_gpus = not has_gpu
-    ray.init(
-        address="local",  # a new cluster even if `ray start` left one on this machine (it is never joined by accident)
-        num_cpus=max(os.cpu_count() or 1, 2) + 2,
-        num_gpus=None if has_gpu else max(num_bundles, 1),
-        include_dashboard=False,
-        runtime_env=runtime_env,
-        object_store_memory=256 * 1024**2,
-        logging_level=_ray_level(args),
-        log_to_driver=True,
-    )
+    for attempt in range(2):
+        try:
+            ray.init(
+                address="local",  # a new cluster even if `ray start` left one here (never joined by accident)
+                num_cpus=max(os.cpu_count() or 1, 2) + 2,
+                num_gpus=None if has_gpu else max(num_bundles, 1),
+                include_dashboard=False,
+                runtime_env=runtime_env,
+                object_store_memory=256 * 1024**2,
+                logging_level=_ray_level(args),
+                log_to_driver=True,
+            )
+            return
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this one
+            # Ray gives its raylet 30 s (hard-coded) to register; a loaded laptop can miss that once
+            if attempt or "timed out during startup" not in str(e):
+                raise
+            logger.warning("Ray's node did not come up in time (%s); starting it once more", e)
+            ray.shutdown()
 
 
 # True once init_ray started a cluster of this machine alone with logical GPUs (no CUDA here): then every bundle is
