@@ -17,13 +17,10 @@ bytes still allocated (tensors that stay: rotary tables, the optimizer's step co
 from __future__ import annotations
 
 import argparse
-import platform
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from bench.gpu_trainer import SHAPES, checkpoint_for, colocated_trainer, log, median, write_json
+from bench.gpu_trainer import SHAPES, bench_setup, log, median, write_json
 
 GIB = 2**30
 
@@ -84,17 +81,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", default="bench/results/gpu_offload.json")
     a = p.parse_args(argv)
 
-    import torch
-
-    from slime.utils.http_utils import find_free_port
-
-    work = Path(a.work or tempfile.mkdtemp(prefix="gpu_bench_"))
-    res: dict[str, Any] = {"model": a.model, "gpu": torch.cuda.get_device_name(), "host": platform.node(),
-                           "date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__}  # fmt: skip
-    log(f"checkpoint {a.model} in {work}")
-    ckpt = checkpoint_for(work, a.model)
-    log("trainer: build + one train step")
-    _, trainer, off = colocated_trainer(ckpt, find_free_port())
+    res, _, (_, trainer, off) = bench_setup(a.model, a.work)
     res["policy"], res["backend"] = off.policy, off.backend
     res["bytes"] = {"params": off.param_bytes, "grads": off.grad_bytes, "optimizer": off.optimizer_bytes}
     res["awake"] = device_state()

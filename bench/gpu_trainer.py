@@ -112,6 +112,26 @@ def colocated_trainer(
     return args, trainer, off
 
 
+def bench_setup(model: str, work: str | None) -> tuple[dict[str, Any], Path, tuple[Any, Any, Any]]:
+    """What every trainer bench starts with: the result's header (model, GPU, host, date, torch), the checkpoint
+    (built in `work`, or a new temporary directory) and `colocated_trainer` on it."""
+    import platform
+    import tempfile
+    import time
+
+    import torch
+
+    from slime.utils.http_utils import find_free_port
+
+    root = Path(work or tempfile.mkdtemp(prefix="gpu_bench_"))
+    res: dict[str, Any] = {"model": model, "gpu": torch.cuda.get_device_name(), "host": platform.node(),
+                           "date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__}  # fmt: skip
+    log(f"checkpoint {model} in {root}")
+    ckpt = checkpoint_for(root, model)
+    log("trainer: build + one train step")
+    return res, ckpt, colocated_trainer(ckpt, find_free_port())
+
+
 def median(xs: list[float]) -> float:
     s = sorted(xs)
     return s[len(s) // 2]

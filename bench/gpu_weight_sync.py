@@ -22,14 +22,11 @@ from __future__ import annotations
 import argparse
 import multiprocessing.connection
 import pickle
-import platform
-import tempfile
 import time
 from multiprocessing.reduction import ForkingPickler
-from pathlib import Path
 from typing import Any
 
-from bench.gpu_trainer import SHAPES, checkpoint_for, colocated_trainer, log, median, write_json
+from bench.gpu_trainer import SHAPES, bench_setup, log, median, write_json
 
 
 def _receiver(conn: multiprocessing.connection.Connection, numel: int) -> None:
@@ -88,20 +85,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", default="bench/results/gpu_weight_sync.json")
     a = p.parse_args(argv)
 
-    import torch
-
     from sim.fake_sglang.testing import launch_fake_sglang
     from slime.backends.megatron.weight_hash import WeightMismatch, check_engines, trainer_weight_checksums
     from slime.backends.megatron.weight_sync import TensorWeightSync
-    from slime.utils.http_utils import find_free_port
 
-    work = Path(a.work or tempfile.mkdtemp(prefix="gpu_bench_"))
-    res: dict[str, Any] = {"model": a.model, "gpu": torch.cuda.get_device_name(), "host": platform.node(),
-                           "date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__}  # fmt: skip
-    log(f"checkpoint {a.model} in {work}")
-    ckpt = checkpoint_for(work, a.model)
-    log("trainer: build + one train step")
-    args, trainer, off = colocated_trainer(ckpt, find_free_port())
+    res, ckpt, (args, trainer, off) = bench_setup(a.model, a.work)
     sizes = [mb * 2**20 for mb in a.bucket_mb] if a.bucket_mb else [args.update_weight_buffer_size]
     engine_args = ["--engine", "hf", "--model-path", str(ckpt), "--device", "cuda", "--dtype", "bfloat16"]
     res["by_bucket"] = {}

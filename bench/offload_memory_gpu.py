@@ -74,34 +74,10 @@ def probe_pinned_in_rss() -> dict[str, Any]:
 
 
 def build_checkpoint(work: Path, a: argparse.Namespace) -> Path:
-    """The tiny checkpoint's tokenizer with a large random Qwen2 (bf16, initialised on the GPU)."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """The tiny checkpoint's tokenizer with a large random Qwen2 (bf16, initialised on the GPU, tied embeddings)."""
+    from bench.gpu_trainer import build_checkpoint as build
 
-    from sim.tiny_checkpoint import build_tiny_checkpoint
-
-    out = work / "model"
-    if (out / "config.json").is_file() and (out / "DONE").is_file():
-        return out
-    tok = build_tiny_checkpoint(work / "tok")
-    cfg = Qwen2Config.from_pretrained(tok)
-    cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers = a.hidden_size, a.ffn_hidden_size, a.num_layers
-    cfg.num_attention_heads, cfg.num_key_value_heads = a.num_heads, a.num_kv_heads
-    cfg.tie_word_embeddings = True
-    if getattr(cfg, "layer_types", None) is not None:  # one entry per layer (newer transformers): resize with them
-        cfg.layer_types = [cfg.layer_types[0]] * cfg.num_hidden_layers
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
-    shutil.rmtree(out, ignore_errors=True)
-    model.save_pretrained(out, safe_serialization=True)
-    del model
-    torch.cuda.empty_cache()
-    for f in tok.iterdir():
-        if f.is_file() and not f.name.startswith(("model", "config")) and f.suffix in (".json", ".txt", ".jinja"):
-            shutil.copy(f, out / f.name)
-    (out / "DONE").write_text("ok")
-    return out
+    return build(work, a.hidden_size, a.num_layers, a.num_heads, a.num_kv_heads, a.ffn_hidden_size, tied=True)
 
 
 def write_prompts(path: Path, n: int = 256) -> Path:

@@ -226,7 +226,7 @@ def transformer_config_kwargs(spec: HFModelSpec, args: Any) -> dict[str, Any]:
 
 def moe_aux_loss_coeff(spec: HFModelSpec, args: Any) -> float:
     """`--moe-aux-loss-coeff`, or the checkpoint's `router_aux_loss_coef` when the flag is not given."""
-    coeff = getattr(args, "moe_aux_loss_coeff", None)
+    coeff = args.moe_aux_loss_coeff
     return float(spec.router_aux_loss_coef if coeff is None else coeff)
 
 
