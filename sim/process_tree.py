@@ -20,6 +20,7 @@ class ProcessTreeWatcher:
         self.interval = interval
         self.cmdlines: dict[int, str] = {}
         self.names: dict[int, str] = {}
+        self.parents: dict[int, int] = {}
         self.listeners: dict[int, set[int]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -37,6 +38,7 @@ class ProcessTreeWatcher:
                     if cmd:  # a zombie's cmdline reads empty: keep what the live process showed
                         self.cmdlines[p.pid] = cmd
                     self.names[p.pid] = p.name()  # e.g. sglang_router retitles itself "sglang::router"
+                    self.parents[p.pid] = p.ppid()
                     ports = {c.laddr.port for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN}
                     self.listeners.setdefault(p.pid, set()).update(ports)
                 except psutil.Error:
@@ -48,5 +50,11 @@ class ProcessTreeWatcher:
         self._thread.join(timeout=5)
 
     def count(self, needle: str) -> int:
-        """Processes whose cmdline or name contains `needle`."""
-        return sum(needle in c or needle in self.names.get(pid, "") for pid, c in self.cmdlines.items())
+        """Processes whose cmdline or name contains `needle`, not counting a match's own children.
+
+        A child forked by a matching process shows its parent's cmdline until it execs (an engine that runs
+        `ldconfig` through `subprocess` is seen twice if the sample lands in that window), so only the outermost
+        match of each subtree counts.
+        """
+        hits = {pid for pid, c in self.cmdlines.items() if needle in c or needle in self.names.get(pid, "")}
+        return sum(self.parents.get(pid) not in hits for pid in hits)
