@@ -21,6 +21,7 @@ from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slime.utils.console import pythonwarnings
+from slime.utils.cuda import cuda_available
 from slime.utils.errors import SlimeArgError
 from slime.utils.http_utils import NODE_ADDRESS_ENV
 
@@ -68,11 +69,12 @@ def init_ray(args: Namespace) -> None:
         return
     # A cluster of this machine alone: slime's servers bind loopback (slime.utils.http_utils.node_address).
     os.environ[NODE_ADDRESS_ENV] = env[NODE_ADDRESS_ENV] = "127.0.0.1"
+    # Ray pre-starts one idle worker per CPU for the first driver; slime's actors all ask for their own runtime
+    # env and bundles, so those workers sit unused (~1 CPU-s each to start) while the run's own processes start.
+    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     runtime_env = {"env_vars": env}
     num_bundles, _ = placement_group_size(args)
-    import torch
-
-    has_gpu = torch.cuda.is_available()
+    has_gpu = cuda_available()
     global _logical_gpus
     _logical_gpus = not has_gpu
     for attempt in range(2):

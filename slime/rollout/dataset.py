@@ -6,6 +6,7 @@ the line, because `validate_prompt_data` runs in the driver before Ray starts an
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import logging
@@ -230,7 +231,13 @@ def build_eval_dataset(args: Any, name: str, path: str) -> Dataset:
 def validate_prompt_data(args: Any) -> int:
     """Read every prompt file once in the driver (before `ray.init`) so a bad file fails fast with one line.
 
-    Returns the number of training prompts (0 with `--disable-rollout-global-dataset`)."""
+    Returns the number of training prompts (0 with `--disable-rollout-global-dataset`). The chat template is not
+    applied here unless a length limit needs the token counts: loading a tokenizer imports torch and
+    transformers (~4 CPU-s) in a process that needs neither, and the rollout side applies it anyway."""
+    if args.apply_chat_template and not args.hf_checkpoint:
+        _tokenizer_for(args, True)  # the one-line error, before anything starts
+    if args.rollout_max_prompt_len is None and args.eval_max_prompt_len is None:
+        args = argparse.Namespace(**{**vars(args), "apply_chat_template": False})
     for name, path in eval_dataset_specs(args):
         build_eval_dataset(args, name, path)
     if args.disable_rollout_global_dataset:

@@ -220,3 +220,22 @@ def test_missing_file_and_extension(tmp_path: Path) -> None:
         )
     with pytest.raises(SlimeArgError, match="name path' pairs"):
         validate_prompt_data(source_args(None, disable_rollout_global_dataset=True, eval_prompt_data=["aime"]))
+
+
+def test_driver_check_loads_a_tokenizer_only_for_a_length_limit(tmp_path: Path, tiny_ckpt: Path, monkeypatch) -> None:
+    """The driver counts prompts without the chat template (no torch/transformers there) unless a length limit
+    makes the count depend on tokens; a missing checkpoint for the template is still refused up front."""
+    import slime.rollout.dataset as dataset
+
+    path = write_jsonl(tmp_path / "c.jsonl", [{"input": "short"}, {"input": "long " * 300}])
+    loaded = []
+    real = dataset.load_tokenizer
+    monkeypatch.setattr(dataset, "load_tokenizer", lambda ckpt: loaded.append(ckpt) or real(ckpt))
+    chat = {"apply_chat_template": True, "hf_checkpoint": str(tiny_ckpt)}
+    assert validate_prompt_data(source_args(str(path), **chat)) == 2
+    assert loaded == []
+    assert validate_prompt_data(source_args(str(path), **chat, rollout_max_prompt_len=600)) == 1
+    assert loaded == [str(tiny_ckpt)]
+    assert validate_prompt_data(source_args(str(path), **chat, eval_max_prompt_len=600)) == 2  # limits eval only
+    with pytest.raises(SlimeArgError, match="need --hf-checkpoint"):
+        validate_prompt_data(source_args(str(path), apply_chat_template=True, hf_checkpoint=None))

@@ -18,6 +18,7 @@ from typing import Any
 from slime.backends.sglang.client import SGLangClient
 from slime.backends.sglang.server_args import build_server_argv
 from slime.utils.console import configure_actor
+from slime.utils.cuda import cuda_available
 from slime.utils.http_utils import find_free_port, node_address
 from slime.utils.process import ManagedProcess, log_tail, start_with_free_port
 
@@ -28,9 +29,7 @@ def resolve_backend(args: Namespace) -> str:
     """`--rollout-engine auto` picks real SGLang only where it can run (installed and CUDA present)."""
     if args.rollout_engine != "auto":
         return args.rollout_engine
-    import torch
-
-    return "sglang" if importlib.util.find_spec("sglang") is not None and torch.cuda.is_available() else "sim"
+    return "sglang" if importlib.util.find_spec("sglang") is not None and cuda_available() else "sim"
 
 
 class SGLangEngine:

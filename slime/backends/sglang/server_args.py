@@ -16,6 +16,7 @@ import sys
 from typing import Any, Literal
 
 from slime.backends.sglang.flags import render_option, sglang_options_by_dest, sglang_overrides_from_args
+from slime.utils.cuda import cuda_available
 from slime.utils.errors import SlimeArgError
 
 logger = logging.getLogger(__name__)
@@ -84,8 +85,6 @@ def _sim_argv(
 ) -> list[str]:
     """The CLI of sim/fake_sglang; `--tp-size` makes a k-GPU fake join weight-sync groups as k ranks, and a
     multi-node fake serves as one engine from node rank 0 (the others join it as SGLang's nodes do)."""
-    import torch
-
     engine = args.sim_engine
     argv = [sys.executable, "-m", "sim.fake_sglang", "--host", host, "--port", str(port), "--engine", engine]
     argv += ["--model-path", str(model_path or args.hf_checkpoint), "--random-seed", str(args.seed + rank)]
@@ -98,7 +97,7 @@ def _sim_argv(
     dtype = args.sglang_dtype if args.sglang_dtype not in (None, "auto") else ("bfloat16" if args.bf16 else None)
     if engine == "hf" and dtype is not None:  # the weights' dtype, as SGLang's --dtype: a bf16 trainer's sync is exact
         argv += ["--dtype", dtype]
-    if torch.cuda.is_available():  # SGLang's placement flag: the engine's first GPU (see Engine.base_gpu_id)
+    if cuda_available():  # SGLang's placement flag: the engine's first GPU (see Engine.base_gpu_id)
         argv += ["--device", "cuda", "--base-gpu-id", str(base_gpu_id)]
     else:
         argv += ["--device", "cpu"]
