@@ -395,3 +395,11 @@ def test_cpu_shim_threads_opt_in(env, expected):
     env_vars = {**os.environ, "OMP_NUM_THREADS": "1", "SLIME_CPU_THREADS": env, "CUDA_VISIBLE_DEVICES": ""}
     out = subprocess.run([sys.executable, "-c", code], env=env_vars, capture_output=True, text=True, check=True)
     assert int(out.stdout.strip().splitlines()[-1]) == expected
+
+
+@given(multiplier=st.integers(1, 256), cp=st.sampled_from([1, 2, 4, 8]), sp=st.sampled_from([1, 2, 4, 8]))
+def test_row_pad_multiple_is_the_least_that_serves_every_split(multiplier, cp, sp):
+    m = packing.row_pad_multiple(multiplier, cp, sp)
+    need = [multiplier, sp] + ([2 * cp * sp] if cp > 1 else [])
+    assert all(m % k == 0 for k in need)
+    assert not any(all(d % k == 0 for k in need) for d in range(1, m))  # nothing smaller would do

@@ -30,6 +30,7 @@ context_parallel.py); `model_inputs()` gives the model those rows.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -93,6 +94,13 @@ def _prompt_groups(seqs: list[list[int]], prompt_lengths: Sequence[int] | None) 
         key = tuple(s[:p]) if p > 0 else i  # an empty prompt shares nothing
         groups.setdefault(key, []).append(i)
     return list(groups.values())
+
+
+def row_pad_multiple(multiplier: int, cp: int, sp: int) -> int:
+    """The least row length multiple that serves `--data-pad-size-multiplier` and the layout: with sequence
+    parallelism megatron splits a row over the `sp` TP ranks; with context parallelism each of the `cp` ranks
+    runs two equal chunks of it (context_parallel.py), each again split over TP under SP."""
+    return math.lcm(multiplier, 2 * cp * sp if cp > 1 else sp)
 
 
 def pack_samples(

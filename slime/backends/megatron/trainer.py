@@ -10,7 +10,6 @@ and advances the LR schedule by b.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from argparse import Namespace
 from collections.abc import Iterable, Iterator
@@ -43,7 +42,7 @@ from slime.backends.megatron.model_provider import (
     moe_load_balancing_loss,
 )
 from slime.backends.megatron.offload import PhaseMemory, no_region
-from slime.backends.megatron.packing import PackedBatch, pack_samples
+from slime.backends.megatron.packing import PackedBatch, pack_samples, row_pad_multiple
 from slime.backends.megatron.pipeline_runs import ModelChunks, current_device
 from slime.utils.misc import load_function
 
@@ -175,13 +174,9 @@ class MegatronTrainer(ModelChunks):
             self.ref_params = self._host_copy(models, args.ref_load)
         # --opd-type megatron: the teacher (same architecture) as a pinned host copy, swapped in for its forward
         self.teacher_params = self._host_copy(models, args.opd_teacher_load) if args.opd_type == "megatron" else None
-        # --data-pad-size-multiplier (x TP with sequence parallel: megatron splits the row over TP ranks; x 2·cp
-        # with context parallelism: each CP rank runs two equal chunks of the row, context_parallel.py)
         cp = self.ps.size("cp")
         sp = self.ps.size("tp") if args.sequence_parallel else 1
-        self.pad_multiple = args.data_pad_size_multiplier * sp
-        if cp > 1:
-            self.pad_multiple = math.lcm(args.data_pad_size_multiplier, 2 * cp * sp)
+        self.pad_multiple = row_pad_multiple(args.data_pad_size_multiplier, cp, sp)
         self._hooks = {
             name: load_function(path)
             for name, path in (
