@@ -1,11 +1,11 @@
 """Where one `slime train` run's CPU goes, process by process.
 
-    .venv/bin/python -m bench.run_cpu [--out runs/run_cpu] [--json bench/results/run_cpu.json] [--interval 0.1]
+    .venv/bin/python -m bench.run_cpu [--out runs/run_cpu] [--json bench/results/run_cpu.json] [--interval 0.2]
 
 On a 2-core machine the test suite runs two such jobs at once, so its time is set by the CPU-seconds each run
 spends, not by their wall time; nearly all of that is Python processes importing torch, transformers and
 megatron-core. This bench runs the toy job of `tests/integration/test_toy_e2e.py` (2 fake `hf` engines behind
-the real router, one train actor, 3 rollouts) and samples every descendant's CPU time with psutil until it ends:
+the real router, one train actor, 3 rollouts) and samples every descendant's CPU time (`sim/process_tree.py`) until it ends:
 it prints one row per process role (driver, each Ray actor class, engines, router, Ray's own daemons), the
 total, the wall time, and when each role started, and writes them as JSON.
 """
@@ -23,8 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 from tqdm import tqdm
+
+from sim.process_tree import ProcessTreeWatcher
+from sim.slime_run import slime_train
 
 logger = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +51,6 @@ def role(cmdline: str, name: str) -> str:
 
 def toy_argv(assets: Path, metrics: Path) -> list[str]:
     return [
-        str(ROOT / ".venv/bin/slime") if (ROOT / ".venv/bin/slime").exists() else "slime", "train",
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--num-rollout", "3", "--global-batch-size", "16",
         "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-max-response-len", "10",
         "--custom-megatron-init-path", "sim.fake_megatron.cpu_shim.apply", "--lr", "1e-4",
@@ -61,33 +62,25 @@ def toy_argv(assets: Path, metrics: Path) -> list[str]:
 
 
 def profile(argv: list[str], log: Path, interval: float) -> dict:
-    """Run `argv`, sampling its process tree; returns per-pid (role, cpu-seconds, first seen) and the wall time."""
+    """Run `slime train ARGV` (supervised: nothing outlives an interrupted bench) while a `ProcessTreeWatcher`
+    samples its process tree; returns per-pid (role, CPU-seconds, first seen) and the wall time."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     t0 = time.perf_counter()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    root = psutil.Process(proc.pid)
-    seen: dict[int, dict] = {}
-    with tqdm(desc="toy run", bar_format="{desc}: {elapsed} {postfix}", mininterval=1.0) as bar:
-        while proc.poll() is None:
-            try:
-                procs = [root, *root.children(recursive=True)]
-            except psutil.Error:
-                break
-            for p in procs:
-                try:
-                    cpu = p.cpu_times()
-                    cmd = " ".join(p.cmdline())
-                    entry = seen.setdefault(p.pid, {"role": "", "cpu_s": 0.0, "start_s": time.perf_counter() - t0})
-                    entry["role"] = role(cmd, p.name()) if cmd else entry["role"]
-                    entry["cpu_s"] = cpu.user + cpu.system  # the last sample before it exits
-                except psutil.Error:
-                    pass
-            cpu_s = sum(e["cpu_s"] for e in seen.values())
-            bar.set_postfix_str(f"{len(seen)} processes, {cpu_s:.0f} CPU-s", refresh=False)
-            bar.update(0)  # redraws at most once per mininterval
-            time.sleep(interval)
-    return {"returncode": proc.returncode, "wall_s": time.perf_counter() - t0, "processes": seen}
+    with slime_train(argv, log, env) as proc:
+        watcher = ProcessTreeWatcher(proc.pid, interval=interval)
+        with tqdm(desc="toy run", bar_format="{desc}: {elapsed} {postfix}", mininterval=1.0) as bar:
+            while proc.poll() is None:
+                cpu_s = sum(watcher.cpu_s.values())
+                bar.set_postfix_str(f"{len(watcher.cpu_s)} processes, {cpu_s:.0f} CPU-s", refresh=False)
+                bar.update(0)  # redraws at most once per mininterval
+                time.sleep(interval)
+        watcher.stop()
+    processes = {
+        pid: {"role": role(watcher.cmdlines.get(pid, ""), watcher.names.get(pid, "")), "cpu_s": cpu,
+              "start_s": watcher.first_seen_s[pid]}
+        for pid, cpu in watcher.cpu_s.items()
+    }  # fmt: skip
+    return {"returncode": proc.returncode, "wall_s": time.perf_counter() - t0, "processes": processes}
 
 
 def summarize(processes: dict[int, dict]) -> list[dict]:
@@ -107,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/run_cpu", help="assets, metrics and the run's log")
     p.add_argument("--json", default="bench/results/run_cpu.json")
-    p.add_argument("--interval", type=float, default=0.1, help="seconds between samples of the process tree")
+    p.add_argument("--interval", type=float, default=0.2, help="seconds between samples of the process tree")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     out = (ROOT / a.out).resolve()

@@ -13,7 +13,7 @@ import psutil
 
 
 class ProcessTreeWatcher:
-    """Samples every descendant's cmdline, process name and listening ports until `stop()`."""
+    """Samples every descendant's cmdline, process name, parent, listening ports and CPU time until `stop()`."""
 
     def __init__(self, pid: int, interval: float = 0.2) -> None:
         self.root = psutil.Process(pid)
@@ -21,6 +21,9 @@ class ProcessTreeWatcher:
         self.cmdlines: dict[int, str] = {}
         self.names: dict[int, str] = {}
         self.parents: dict[int, int] = {}
+        self.cpu_s: dict[int, float] = {}  # user + system, as last sampled (a process's total, near its exit)
+        self.first_seen_s: dict[int, float] = {}  # seconds after the watcher started
+        self._t0 = time.perf_counter()
         self.listeners: dict[int, set[int]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -39,6 +42,9 @@ class ProcessTreeWatcher:
                         self.cmdlines[p.pid] = cmd
                     self.names[p.pid] = p.name()  # e.g. sglang_router retitles itself "sglang::router"
                     self.parents[p.pid] = p.ppid()
+                    cpu = p.cpu_times()
+                    self.cpu_s[p.pid] = cpu.user + cpu.system
+                    self.first_seen_s.setdefault(p.pid, time.perf_counter() - self._t0)
                     ports = {c.laddr.port for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN}
                     self.listeners.setdefault(p.pid, set()).update(ports)
                 except psutil.Error:
