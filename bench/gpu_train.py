@@ -5,10 +5,18 @@ MFU = (6·N·T + 6·L·H·s·T) / (step time · peak): 6 FLOPs per parameter and
 causal attention over packed samples of length s; peak 989e12 (H100/H200 dense bf16), the hardware floor the
 table's ratio is taken against. A step is `--micro-batches` packed micro-batches of `--seq` tokens (gradient
 accumulation) and one optimizer step. The Adam implementation is compared: torch's `foreach` AdamW (what
-megatron-core falls back to without TransformerEngine/Apex) and torch's `fused` AdamW.
+megatron-core falls back to without TransformerEngine/Apex) and torch's `fused` AdamW (the trainer's).
+
+Model variants (`--variant`): `fp32-norms` — every RMSNorm weight in fp32 against bf16 activations (how the
+trainer built them before: torch's fused RMSNorm refuses mixed dtypes); `trainer` — the model as `slime train`
+builds it; `fused` — plus megatron's SwiGLU and bias-dropout-add fusions (`torch.compile`d on first use).
+Losses (`--loss`): `ce` — full-vocabulary fp32 cross-entropy; `logprob` — what the trainer computes, the
+log-probability of each token through `vocab_parallel_logprobs_and_entropy` in chunks of `--chunk` rows (no
+[tokens, vocab] fp32 tensor). `--profile` adds a torch.profiler table of the last configuration's kernels.
 
     export PYTHONPATH=$PWD/.gpu-site:$PWD
-    python -m bench.gpu_train --model 1.8B 0.5B --adam foreach fused --micro-batches 1 4 --out $OUT/gpu_train.json
+    python -m bench.gpu_train --model 1.8B 0.5B --adam fused --micro-batches 1 4 --variant trainer fused \
+        --loss logprob --out $OUT/gpu_train.json
 
 Prints a table and writes JSON (after every configuration).
 """
@@ -48,14 +56,36 @@ def use_adam(opt: Any, impl: str) -> None:
                     st["step"] = st["step"].to(device=dev, dtype=torch.float32)
 
 
-def run(model_name: str, adam: str, micro_batches: int, a: argparse.Namespace) -> dict[str, Any]:
+def build(args: Any, spec: Any, variant: str) -> Any:
+    """The model of one `--variant`, on the GPU."""
+    from slime.backends.megatron.model_provider import RMSNorm, build_gpt_model, build_transformer_config
+
+    fusions = {"bias_activation_fusion": True, "bias_dropout_fusion": True} if variant == "fused" else {}
+    model = build_gpt_model(args, spec, config=build_transformer_config(args, spec, **fusions)).cuda()
+    if variant == "fp32-norms":
+        for m in model.modules():
+            if isinstance(m, RMSNorm):
+                m.float()
+    return model
+
+
+def loss_of(logits: Any, tokens: Any, loss: str, chunk: int) -> Any:
+    if loss == "ce":
+        return torch.nn.functional.cross_entropy(logits[0].float(), tokens[0])
+    from slime.algorithms.logprobs import vocab_parallel_logprobs_and_entropy
+
+    logp, _ = vocab_parallel_logprobs_and_entropy(logits[0], tokens[0], None, with_entropy=False, chunk_size=chunk)
+    return -logp.mean()
+
+
+def run(model_name: str, adam: str, micro_batches: int, a: argparse.Namespace, variant: str = "trainer",
+        loss: str = "ce", profile: bool = False) -> dict[str, Any]:  # fmt: skip
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from slime.arguments import default_args
     from slime.backends.megatron.hf_config import read_hf_config
     from slime.backends.megatron.initialize import init_distributed, init_megatron
-    from slime.backends.megatron.model_provider import build_gpt_model
     from slime.backends.megatron.packing import pack_samples
 
     hidden, layers, heads, kv, ffn, vocab = SHAPES[model_name]
@@ -71,7 +101,7 @@ def run(model_name: str, adam: str, micro_batches: int, a: argparse.Namespace) -
         init_distributed(args, 0, 1, "127.0.0.1", find_free_port())
     init_megatron(args)
     spec = read_hf_config(d)
-    model = build_gpt_model(args, spec).cuda()
+    model = build(args, spec, variant)
     n_params = sum(p.numel() for p in model.parameters())
     ddp = DistributedDataParallel(
         config=model.config,
@@ -100,8 +130,7 @@ def run(model_name: str, adam: str, micro_batches: int, a: argparse.Namespace) -
         opt.zero_grad()
         for packed in batches:
             logits = ddp(packed.tokens, packed.position_ids, None, packed_seq_params=packed.packed_seq_params)
-            loss = torch.nn.functional.cross_entropy(logits[0].float(), packed.tokens[0]) / micro_batches
-            loss.backward()
+            (loss_of(logits, packed.tokens, loss, a.chunk) / micro_batches).backward()
         ddp.finish_grad_sync()
         torch.cuda.synchronize()
         t1 = time.perf_counter()
@@ -110,19 +139,46 @@ def run(model_name: str, adam: str, micro_batches: int, a: argparse.Namespace) -
         if step >= 2:  # warm-up steps excluded
             times.append(time.perf_counter() - t0)
             phases.append((t1 - t0, time.perf_counter() - t1))
+    kernels = profile_step(ddp, opt, batches, loss, a) if profile else None
     t = sorted(times)[len(times) // 2]
     fwd_bwd, opt_t = (sorted(x)[len(x) // 2] for x in zip(*phases, strict=True))
     tokens = a.seq * micro_batches
     # attention FLOPs of packed causal samples: 6·L·H·s·T with s the per-sample length
     flops = 6 * n_params * tokens + 6 * layers * hidden * per * tokens
-    row = {"model": model_name, "adam": adam, "micro_batches": micro_batches, "params": n_params, "seq": a.seq,
+    row = {"model": model_name, "variant": variant, "loss": loss, "adam": adam, "micro_batches": micro_batches, "params": n_params, "seq": a.seq,
            "samples_per_mb": a.samples_per_mb, "step_s_median": t, "tokens_per_s": tokens / t,
            "mfu": flops / t / PEAK, "gpu": torch.cuda.get_device_name(),
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "forward_backward_s": fwd_bwd,
            "optimizer_s": opt_t, "mfu_fwd_bwd_only": flops / fwd_bwd / PEAK}  # fmt: skip
+    if kernels is not None:
+        row["kernels"] = kernels
     del opt, ddp, model, batches
     torch.cuda.empty_cache()
     return row
+
+
+def profile_step(ddp: Any, opt: Any, batches: list[Any], loss: str, a: argparse.Namespace) -> list[dict[str, Any]]:
+    """One more step under torch.profiler: CUDA time per kernel name (top 25), GEMMs summed apart; printed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        for packed in batches:
+            logits = ddp(packed.tokens, packed.position_ids, None, packed_seq_params=packed.packed_seq_params)
+            (loss_of(logits, packed.tokens, loss, a.chunk) / len(batches)).backward()
+        ddp.finish_grad_sync()
+        opt.step()
+        torch.cuda.synchronize()
+    rows = [{"name": e.key[:90], "cuda_ms": e.device_time_total / 1e3, "calls": e.count}
+            for e in prof.key_averages() if e.device_time_total > 0]  # fmt: skip
+    rows.sort(key=lambda r: -r["cuda_ms"])
+    total = sum(r["cuda_ms"] for r in rows)
+    gemm = sum(r["cuda_ms"] for r in rows if any(k in r["name"].lower() for k in ("gemm", "cutlass", "sm90", "nvjet")))
+    print(f"kernels of one step: {total:.1f} ms of CUDA time, GEMM-like {gemm:.1f} ms ({gemm / max(total, 1e-9):.0%})")
+    for r in rows[:25]:
+        print(f"  {r['cuda_ms']:8.2f} ms {r['calls']:6d}x  {r['name']}")
+    return rows[:40]
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -137,22 +193,26 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--seq", type=int, default=4096, help="tokens per packed micro-batch")
     p.add_argument("--samples-per-mb", type=int, default=1)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--variant", nargs="+", choices=["fp32-norms", "trainer", "fused"], default=["trainer"])
+    p.add_argument("--loss", nargs="+", choices=["ce", "logprob"], default=["ce"])
+    p.add_argument("--chunk", type=int, default=1024, help="rows per log-prob chunk (--loss logprob)")
+    p.add_argument("--profile", action="store_true", help="profile the last configuration's kernels")
     p.add_argument("--out", default="bench/results/gpu_train.json")
     a = p.parse_args(argv)
     rows = []
-    print(f"{'model':>6} {'adam':>8} {'mbs':>4} {'step s':>8} {'fwd+bwd s':>10} {'opt s':>7} {'tok/s':>9} "
-          f"{'MFU':>6} {'×floor':>7} {'MFU w/o opt':>11}", flush=True)  # fmt: skip
-    for model_name in a.model:
-        for mbs in a.micro_batches:
-            for adam in a.adam:
-                r = run(model_name, adam, mbs, a)
-                rows.append(r)
-                print(f"{model_name:>6} {adam:>8} {mbs:>4} {r['step_s_median']:>8.3f} {r['forward_backward_s']:>10.3f} "
-                      f"{r['optimizer_s']:>7.3f} {r['tokens_per_s']:>9.0f} {r['mfu']:>6.1%} {1 / r['mfu']:>7.2f} "
-                      f"{r['mfu_fwd_bwd_only']:>11.1%}", flush=True)  # fmt: skip
-                os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-                with open(a.out, "w") as f:
-                    json.dump(rows, f, indent=1)
+    print(f"{'model':>6} {'variant':>10} {'loss':>7} {'adam':>8} {'mbs':>4} {'step s':>8} {'fwd+bwd s':>10} "
+          f"{'opt s':>7} {'tok/s':>9} {'MFU':>6} {'×floor':>7} {'MFU w/o opt':>11}", flush=True)  # fmt: skip
+    configs = [(m, mbs, adam, v, loss) for m in a.model for mbs in a.micro_batches for adam in a.adam
+               for v in a.variant for loss in a.loss]  # fmt: skip
+    for i, (model_name, mbs, adam, variant, loss) in enumerate(configs):
+        r = run(model_name, adam, mbs, a, variant, loss, profile=a.profile and i == len(configs) - 1)
+        rows.append(r)
+        print(f"{model_name:>6} {variant:>10} {loss:>7} {adam:>8} {mbs:>4} {r['step_s_median']:>8.3f} "
+              f"{r['forward_backward_s']:>10.3f} {r['optimizer_s']:>7.3f} {r['tokens_per_s']:>9.0f} {r['mfu']:>6.1%} "
+              f"{1 / r['mfu']:>7.2f} {r['mfu_fwd_bwd_only']:>11.1%}", flush=True)  # fmt: skip
+        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
     return rows
 
 

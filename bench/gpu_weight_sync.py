@@ -13,6 +13,9 @@ What it runs (one GPU, megatron-core; no Ray, no router):
    - **host**: as at start-up — the trainer asleep, the weights moved back from its pinned host copy;
 4. the floor: one flat bf16 tensor of the same bytes handed to a second process (pickled as CUDA IPC handles,
    opened there, copied into a buffer of its own, synchronized, acknowledged).
+5. `--parts`: each part of a live sync alone, synchronized, medians: allocating one flat buffer for all the
+   bytes, the grouped copy of the kept views into it, serializing it (IPC handles), posting it to the engine
+   (HTTP + the engine's open, copy and synchronize), and one control call's round trip.
 After the syncs it checks every tensor's checksum on the engine against the trainer's. Prints a table with each
 way's median and its ratio to the floor, and writes JSON. A bench, not a test: it never asserts.
 """
@@ -72,6 +75,47 @@ def bare_handoff(numel: int, repeats: int) -> list[float]:
     return times[2:]
 
 
+def sync_parts(trainer: Any, off: Any, url: str, version: int, repeats: int) -> dict[str, float]:
+    """Seconds of each part of a live sync on its own (see the module docstring, item 5)."""
+    import torch
+
+    from slime.backends.megatron.weight_buckets import flatten, new_buffer
+    from slime.backends.megatron.weight_sync import serialize
+    from slime.backends.sglang.client import SGLangClient, begin_weight_sync, end_weight_sync
+
+    off.wake_up()
+    off.sleep(keep_weights=True)
+    items = list(trainer.weights_for_sync())
+    client = SGLangClient(url)
+    runs: dict[str, list[float]] = {"alloc": [], "copy": [], "serialize": [], "post": [], "round_trip": []}
+
+    def timed(key: str, fn: Any) -> Any:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        runs[key].append(time.perf_counter() - t0)
+        return out
+
+    for _ in range(repeats + 1):
+        torch.cuda.empty_cache()
+        buffer = timed("alloc", lambda: new_buffer(items))
+        flat, meta = timed("copy", lambda buffer=buffer: flatten(items, buffer))
+        payload = timed(
+            "serialize", lambda flat=flat, meta=meta: serialize({"flattened_tensor": flat, "metadata": meta})
+        )
+        begin_weight_sync([client])
+        version += 1
+        timed("post", lambda payload=payload, v=version: client.update_weights_from_tensor([payload], str(v)))
+        end_weight_sync([client])
+        for _ in range(10):
+            timed("round_trip", lambda: client.request("GET", "/get_server_info"))
+        del buffer, flat, payload
+    client.close()
+    off.sleep()
+    return {k: median(v[1:] if len(v) > repeats else v) for k, v in runs.items()}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from bench.requires import require, require_cuda
 
@@ -81,6 +125,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--model", choices=sorted(SHAPES), default="1.8B")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--bucket-mb", type=int, nargs="+", default=None, help="--update-weight-buffer-size values in MiB")
+    p.add_argument("--parts", action="store_true", help="also time each part of a live sync alone")
     p.add_argument("--work", default=None, help="where the checkpoint is built (reused when present)")
     p.add_argument("--out", default="bench/results/gpu_weight_sync.json")
     a = p.parse_args(argv)
@@ -126,6 +171,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             res["by_bucket"][str(bucket)] = entry
             res["bytes"] = int(runs["live"][0]["weight_sync/bytes"])
             write_json(a.out, res)
+        if a.parts:
+            res["parts_s"] = sync_parts(trainer, off, eng.url, version + 100, a.repeats)
+            version += 100 + a.repeats + 1
+            log(
+                "parts of a live sync, each alone: "
+                + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in res["parts_s"].items())
+            )
         try:
             check_engines([eng.url], trainer_weight_checksums(trainer))
             res["engine_weights_equal"] = True

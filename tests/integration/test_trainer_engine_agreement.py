@@ -246,9 +246,10 @@ def test_request_log_shows_pause_flush_load_continue(agreement):
             assert cur is None, f"{ep} while the engine was paused: {seq}"
     assert len(syncs) == 3
     for s in syncs:
-        loads = s[2:-2]
+        loads = s[2:-1]
+        # one flush, while paused and before the loads: nothing can fill the cache again before continue
         assert s[:2] == ["/pause_generation", "/flush_cache"], s
-        assert s[-2:] == ["/flush_cache", "/continue_generation"], s
+        assert s[-1] == "/continue_generation", s
         assert len(loads) > 1 and set(loads) == {"/update_weights_from_tensor"}, s
     # each sync is followed by the hash check before the next rollout's first /generate
     after = [ep for ep in seq if ep in ("/continue_generation", "/weights_checker", "/generate")]

@@ -152,7 +152,7 @@ def test_tp2_trainer_syncs_heterogeneous_engines(ckpt, engines, tmp_path):
         assert loads and all(r["status"] == 200 and r["body"]["load_format"] == "flattened_bucket" for r in loads)
         assert all(len(set(r["member_digests"])) == 1 and len(r["member_digests"]) == k for r in loads)
         assert loads[-1]["body"]["weight_version"] == "2"
-        # each sync: pause → flush → session → (group, first time) loads → end → flush → continue → checksums
+        # each sync: pause → flush → session → (group, first time) loads → end → continue → checksums
         skip = {"/generate", "/health_generate", "/init_weights_update_group", "/get_server_info"}
         seq = [r["endpoint"] for r in recs if r["endpoint"] not in skip]
         assert seq[-1] == "/destroy_weights_update_group"  # the sender's close() at the end
@@ -164,7 +164,7 @@ def test_tp2_trainer_syncs_heterogeneous_engines(ckpt, engines, tmp_path):
             assert sync[:3] == ["/pause_generation", "/flush_cache", "/begin_weight_update"], sync
             end = sync.index("/end_weight_update")
             assert set(sync[3:end]) == {"/update_weights_from_distributed"}
-            assert sync[end:] == ["/end_weight_update", "/flush_cache", "/continue_generation", "/weights_checker"]
+            assert sync[end:] == ["/end_weight_update", "/continue_generation", "/weights_checker"]
     # rank offsets are cumulative engine GPU counts after the trainer's rank 0
     assert [i["body"]["rank_offset"] for i in inits] == [1, 2]
     assert [i["member_ranks"] for i in inits] == [[1], [2, 3]]

@@ -79,7 +79,7 @@ def test_sync_changes_engine_weights_exactly(ckpt, tmp_path):
         len(seq) - 1 - seq[::-1].index("/update_weights_from_tensor"),
     )
     assert seq[:2] == ["/pause_generation", "/flush_cache"] and first_load == 2
-    assert seq[last_load + 1 :] == ["/flush_cache", "/continue_generation"]
+    assert seq[last_load + 1 :] == ["/continue_generation"]  # flushed once, while paused, before the loads
 
 
 def _sources_worker(rank: int, ckpt: str, out: str, port: int) -> None:

@@ -64,7 +64,10 @@ class RMSNorm(torch.nn.RMSNorm):
         if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
             raise ValueError(f"slime's RMSNorm cannot be {config.normalization} (zero-centered gamma: "
                              f"{config.layernorm_zero_centered_gamma})")  # fmt: skip
-        super().__init__(hidden_size, eps=eps)
+        # in the params' dtype, as megatron's Float16Module casts every parameter in bf16 training (slime v0.3.0's
+        # norms are bf16 too); torch's fused RMSNorm also needs matching dtypes, though on the H200 the step time
+        # did not change measurably (bench/gpu_train.py --variant fp32-norms trainer; docs/performance.md)
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         self.weight.sequence_parallel = bool(config.sequence_parallel and sequence_parallel_input)
 
 

@@ -8,7 +8,7 @@ the engine's first GPU's rank, which posts them; every rank keeps its bucket ali
 because the engine copies out of the shared storage. GPUs of an engine that no train rank occupies (rollout
 larger than training) get the first rank's payload.
 
-The session around the buckets (pause, flush, begin ... end, flush, continue) is `slime/backends/sglang/client.py`.
+The session around the buckets (pause, flush, begin ... end, continue) is `slime/backends/sglang/client.py`.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ class TensorWeightSync:
             "weight_sync/pack_s": seconds["pack"],  # copies into the flat buckets, serialization
             "weight_sync/post_s": seconds["post"],  # the engines' requests (gathers to the leader included)
             "weight_sync/wait_s": seconds["wait"],  # posting waited for the packer: what the pipeline did not hide
-            "weight_sync/session_s": session,  # pause, flush, begin ... end, flush, continue
+            "weight_sync/session_s": session,  # pause, flush, begin ... end, continue
             "weight_sync/total_s": total,
         }
 

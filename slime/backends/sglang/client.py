@@ -5,15 +5,21 @@ abort, the weight checker) asks this client, so an endpoint's body and its error
 Bodies follow SGLang 0.5.23 (`python/sglang/srt/managers/io_struct.py`, `python/sglang/srt/entrypoints/
 http_server.py`); `docs/sglang_contract.md` lists what slime relies on. The data path (`/generate`) is not
 here: it goes through the router (`slime/rollout/generate.py`).
+
+Why `http.client` and not httpx: a weight sync is a chain of small control calls (pause, flush, begin, one per
+bucket, end, continue) whose round trips add up against a hand-off measured in milliseconds; on loopback a
+kept-alive `http.client` connection answers in ~0.5 ms where an `httpx.Client` call takes ~1.5 ms.
 """
 
 from __future__ import annotations
 
+import http.client
+import json
 import logging
+import threading
 import time
+import urllib.parse
 from typing import Any
-
-import httpx
 
 logger = logging.getLogger(__name__)
 
@@ -24,15 +30,70 @@ class SGLangError(RuntimeError):
     """A server refused a control call (non-200, or `success: false` in the body)."""
 
 
+# a kept-alive connection the server has closed meanwhile fails on first use with one of these, before the
+# server read the request: such a call is sent again, once, on a fresh connection
+_STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
+ERRORS = (OSError, http.client.HTTPException)  # what a call raises when the server cannot be reached or answer
+
+
 class SGLangClient:
-    """Control calls to one server (`url` = http://host:port). Thread-safe: weight sync posts from a pool."""
+    """Control calls to one server (`url` = http://host:port). Thread-safe: each thread keeps its own
+    connection (weight sync posts from a thread of its own)."""
 
     def __init__(self, url: str, timeout: float = 600.0) -> None:
         self.url = url.rstrip("/")
-        self._http = httpx.Client(timeout=timeout)
+        parsed = urllib.parse.urlsplit(self.url)
+        if parsed.scheme != "http" or not parsed.hostname or parsed.port is None:
+            raise ValueError(f"expected http://host:port, got {url!r}")
+        self._host, self._port, self._prefix = parsed.hostname, parsed.port, parsed.path
+        self.timeout = timeout
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._open: list[http.client.HTTPConnection] = []
 
     def close(self) -> None:
-        self._http.close()
+        with self._lock:
+            conns, self._open = self._open, []
+        for c in conns:
+            c.close()
+
+    def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            return conn, True
+        conn = self._local.conn = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
+        with self._lock:
+            self._open.append(conn)
+        return conn, False
+
+    def request(self, method: str, endpoint: str, body: Any = None, timeout: float | None = None) -> tuple[int, bytes]:
+        """(status, body bytes) of one call; `body` is sent as JSON (POST). Raises one of `ERRORS` when the server
+        cannot be reached or does not answer within `timeout` (the client's default when None)."""
+        data = json.dumps(body if body is not None else {}).encode() if method == "POST" else None
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        while True:
+            conn, reused = self._connection()
+            conn.timeout = self.timeout if timeout is None else timeout
+            if conn.sock is not None:
+                conn.sock.settimeout(conn.timeout)
+            try:
+                conn.request(method, self._prefix + endpoint, body=data, headers=headers)
+                r = conn.getresponse()
+                payload = r.read()
+                if r.will_close:
+                    self._drop(conn)
+                return r.status, payload
+            except BaseException as e:
+                self._drop(conn)
+                if not (reused and isinstance(e, _STALE)):
+                    raise
+
+    def _drop(self, conn: http.client.HTTPConnection) -> None:
+        conn.close()
+        self._local.conn = None
+        with self._lock:
+            if conn in self._open:
+                self._open.remove(conn)
 
     def __enter__(self) -> SGLangClient:
         return self
@@ -41,25 +102,22 @@ class SGLangClient:
         self.close()
 
     def _call(self, method: str, endpoint: str, body: dict[str, Any] | None = None, timeout: float | None = None):
-        kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
-        if method == "POST":
-            kwargs["json"] = body if body is not None else {}
-        r = self._http.request(method, f"{self.url}{endpoint}", **kwargs)
+        status, content = self.request(method, endpoint, body, timeout)
         try:
-            data = r.json() if r.content else None
+            data = json.loads(content) if content else None
         except ValueError:  # several control endpoints answer plain text
-            data = r.text
-        if r.status_code != 200 or (isinstance(data, dict) and data.get("success") is False):
+            data = content.decode(errors="replace")
+        if status != 200 or (isinstance(data, dict) and data.get("success") is False):
             message = data.get("message", data) if isinstance(data, dict) else data
-            raise SGLangError(f"{self.url}{endpoint} answered {r.status_code}: {str(message)[:300]}")
+            raise SGLangError(f"{self.url}{endpoint} answered {status}: {str(message)[:300]}")
         return data
 
     # ---- health and identity ----------------------------------------------------------------------------
     def healthy(self, endpoint: str = "/health_generate", timeout: float = 30.0) -> bool:
         """`/health_generate` runs one token through the model (SGLang's deep check); `/health` only pings."""
         try:
-            return self._http.get(f"{self.url}{endpoint}", timeout=timeout).status_code == 200
-        except httpx.HTTPError:
+            return self.request("GET", endpoint, timeout=timeout)[0] == 200
+        except ERRORS:
             return False
 
     def server_info(self) -> dict[str, Any]:
@@ -79,11 +137,11 @@ class SGLangClient:
         """SGLang refuses to flush (400) while requests run or wait: retry until it is idle or `timeout`."""
         deadline = time.monotonic() + timeout
         while True:
-            r = self._http.post(f"{self.url}/flush_cache", timeout=timeout)
-            if r.status_code == 200:
+            status, content = self.request("POST", "/flush_cache", timeout=timeout)
+            if status == 200:
                 return
             if time.monotonic() > deadline:
-                raise SGLangError(f"{self.url}/flush_cache still refused after {timeout:.0f}s: {r.text[:200]}")
+                raise SGLangError(f"{self.url}/flush_cache still refused after {timeout:.0f}s: {content[:200]!r}")
             time.sleep(0.5)
 
     def abort_all(self) -> None:
@@ -156,8 +214,8 @@ def begin_weight_sync(clients: list[SGLangClient]) -> None:
 
 
 def end_weight_sync(clients: list[SGLangClient]) -> None:
-    """Close the update session, drop cache entries computed with the old weights, resume generation."""
+    """Close the update session and resume generation. No second flush: the one in `begin_weight_sync` ran while
+    generation was paused, and nothing fills the cache until it continues (slime v0.3.0 flushes once too)."""
     for c in clients:
         c.end_weight_update()
-        c.flush_cache()
         c.continue_generation()
