@@ -22,7 +22,6 @@ from sim.fake_sglang.engine import Engine, ScoredPrompt
 from sim.fake_sglang.hf_names import checkpoint_named_tensors
 from sim.fake_sglang.protocol import BadRequest, GenRequest
 from sim.fake_sglang.sampling import sample_batch
-from slime.backends.megatron.weight_buckets import copy_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +233,7 @@ class HFEngine(Engine):
             src = [t for _, t in named]
             with torch.no_grad():
                 if all(d.dtype == t.dtype and d.device == t.device for d, t in zip(dst, src, strict=True)):
-                    copy_tensors(dst, src)  # large tensors one by one (near bandwidth), small ones grouped
+                    torch._foreach_copy_(dst, src)  # one grouped launch: a sync sends hundreds of tensors
                 else:
                     for d, t in zip(dst, src, strict=True):
                         d.copy_(t, non_blocking=True)  # copy_ casts dtype and moves device itself

@@ -86,30 +86,8 @@ def flatten(bucket: list[Item], buffer: torch.Tensor | None = None) -> tuple[tor
         return torch.cat([t.detach().reshape(-1).to(dtype) for _, t, _, _ in specs]), meta
     flat = buffer[:start]
     slots = [flat[m.start_idx : m.end_idx].view(t.shape) for m, (_, t, _, _) in zip(meta, specs, strict=True)]
-    copy_tensors(slots, [t.detach() for _, t, _, _ in specs])
+    torch._foreach_copy_(slots, [t.detach() for _, t, _, _ in specs])  # one grouped launch, not one per tensor
     return flat, meta
-
-
-LARGE_COPY_BYTES = 1 << 20
-
-
-def copy_tensors(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """`dst[i].copy_(src[i])` for all i (same dtypes): tensors of `LARGE_COPY_BYTES` or more one by one, the rest
-    in one grouped launch.
-
-    Why both: torch's grouped copy (`_foreach_copy_`, a multi-tensor kernel made for many small tensors) moved a
-    ~2B model's 3.67 GB at ~1 TB/s on an H200 (7.7 ms), where one copy per large tensor runs near the memory's
-    bandwidth (a contiguous copy is a device memcpy); hundreds of small tensors one by one would cost a launch
-    each (docs/performance.md, "The GPU path, benched")."""
-    small = [i for i, t in enumerate(src) if t.numel() * t.element_size() < LARGE_COPY_BYTES]
-    if small:
-        torch._foreach_copy_([dst[i] for i in small], [src[i] for i in small])
-    if len(small) == len(src):
-        return
-    taken = set(small)
-    for i, (d, s) in enumerate(zip(dst, src, strict=True)):
-        if i not in taken:
-            d.copy_(s)
 
 
 def bucket_nbytes(bucket: list[Item]) -> int:
