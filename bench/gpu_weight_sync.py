@@ -23,10 +23,13 @@ way's median and its ratio to the floor, and writes JSON. A bench, not a test: i
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing.connection
 import pickle
+import tempfile
 import time
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 from typing import Any
 
 from bench.gpu_trainer import SHAPES, bench_setup, log, median, write_json
@@ -75,8 +78,11 @@ def bare_handoff(numel: int, repeats: int) -> list[float]:
     return times[2:]
 
 
-def sync_parts(trainer: Any, off: Any, url: str, version: int, repeats: int) -> dict[str, float]:
-    """Seconds of each part of a live sync on its own (see the module docstring, item 5)."""
+def sync_parts(trainer: Any, off: Any, url: str, version: int, repeats: int, request_log: Path) -> dict[str, float]:
+    """Seconds of each part of a live sync on its own (see the module docstring, item 5). `copy_plain`: the same
+    copy from tensors of the same shapes and strides in plain CUDA allocations instead of the trainer's parameters
+    (which live in torch_memory_saver's region); `engine_decode` / `engine_load`: the engine's own account of a post
+    (unpickling, which opens the IPC handle; the copy into its parameters, synchronized)."""
     import torch
 
     from slime.backends.megatron.weight_buckets import flatten, new_buffer
@@ -86,8 +92,13 @@ def sync_parts(trainer: Any, off: Any, url: str, version: int, repeats: int) -> 
     off.wake_up()
     off.sleep(keep_weights=True)
     items = list(trainer.weights_for_sync())
+    plain = []
+    for name, src, shape, dtype in items:
+        twin = torch.empty_strided(src.size(), src.stride(), dtype=src.dtype, device=src.device)
+        plain.append((name, twin.copy_(src), shape, dtype))
     client = SGLangClient(url)
-    runs: dict[str, list[float]] = {"alloc": [], "copy": [], "serialize": [], "post": [], "round_trip": []}
+    runs: dict[str, list[float]] = {"alloc": [], "copy": [], "copy_plain": [], "serialize": [], "post": [],
+                                    "round_trip": []}  # fmt: skip
 
     def timed(key: str, fn: Any) -> Any:
         torch.cuda.synchronize()
@@ -100,6 +111,7 @@ def sync_parts(trainer: Any, off: Any, url: str, version: int, repeats: int) -> 
     for _ in range(repeats + 1):
         torch.cuda.empty_cache()
         buffer = timed("alloc", lambda: new_buffer(items))
+        timed("copy_plain", lambda buffer=buffer, twins=plain: flatten(twins, buffer))
         flat, meta = timed("copy", lambda buffer=buffer: flatten(items, buffer))
         payload = timed(
             "serialize", lambda flat=flat, meta=meta: serialize({"flattened_tensor": flat, "metadata": meta})
@@ -112,8 +124,14 @@ def sync_parts(trainer: Any, off: Any, url: str, version: int, repeats: int) -> 
             timed("round_trip", lambda: client.request("GET", "/get_server_info"))
         del buffer, flat, payload
     client.close()
+    del plain
     off.sleep()
-    return {k: median(v[1:] if len(v) > repeats else v) for k, v in runs.items()}
+    out = {k: median(v[1:] if len(v) > repeats else v) for k, v in runs.items()}
+    records = [json.loads(x) for x in request_log.read_text().splitlines() if x.strip()]
+    posts = [r for r in records if r.get("endpoint") == "/update_weights_from_tensor" and "load_s" in r][-repeats:]
+    for key in ("decode_s", "load_s"):
+        out["engine_" + key[:-2]] = median([r[key] for r in posts])
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -136,7 +154,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     res, ckpt, (args, trainer, off) = bench_setup(a.model, a.work)
     sizes = [mb * 2**20 for mb in a.bucket_mb] if a.bucket_mb else [args.update_weight_buffer_size]
-    engine_args = ["--engine", "hf", "--model-path", str(ckpt), "--device", "cuda", "--dtype", "bfloat16"]
+    request_log = Path(tempfile.mkdtemp()) / "requests.jsonl"
+    engine_args = ["--engine", "hf", "--model-path", str(ckpt), "--device", "cuda", "--dtype", "bfloat16",
+                   "--request-log", str(request_log)]  # fmt: skip
     res["by_bucket"] = {}
     version = 0
     with launch_fake_sglang(engine_args, timeout=600) as eng:
@@ -172,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             res["bytes"] = int(runs["live"][0]["weight_sync/bytes"])
             write_json(a.out, res)
         if a.parts:
-            res["parts_s"] = sync_parts(trainer, off, eng.url, version + 100, a.repeats)
+            res["parts_s"] = sync_parts(trainer, off, eng.url, version + 100, a.repeats, request_log)
             version += 100 + a.repeats + 1
             log(
                 "parts of a live sync, each alone: "
