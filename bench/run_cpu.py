@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--interval", type=float, default=0.2, help="seconds between samples of the process tree")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    # engines forked from a test session's zygote would run outside the run's process tree, unmeasured
+    os.environ.pop("SLIME_SIM_ZYGOTE", None)
     out = (ROOT / a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     assets = out / "assets"

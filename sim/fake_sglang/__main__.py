@@ -146,7 +146,13 @@ async def serve(a: argparse.Namespace) -> int:
     loop_task = asyncio.create_task(engine.run())
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, a.host, a.port)
+    inherited = os.environ.pop("SLIME_SIM_LISTEN_FD", None)  # a fork of the zygote: its launcher bound the port
+    if inherited is not None:
+        import socket
+
+        site: web.BaseSite = web.SockSite(runner, socket.socket(fileno=int(inherited)))
+    else:
+        site = web.TCPSite(runner, a.host, a.port)
     await site.start()
     boot_runner = None
     if rooms is not None:
@@ -215,6 +221,12 @@ def pin_gpus(base_gpu_id: int, count: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    if argv is None:  # run as `python -m sim.fake_sglang`: a fork of the test session's zygote when there is one
+        from sim.fake_sglang.zygote import run_via_zygote
+
+        code = run_via_zygote(sys.argv[1:])
+        if code is not None:
+            sys.exit(code)
     logging.basicConfig(
         level=os.environ.get("FAKE_SGLANG_LOG_LEVEL", "WARNING"), format="%(asctime)s %(name)s %(message)s"
     )
