@@ -10,9 +10,11 @@ file and signals — finds the variable, hands the zygote its argv, environment,
 streams (the descriptors themselves, over the Unix socket), and then stands in for the forked engine: it forwards
 SIGTERM/SIGINT/SIGHUP, and exits with the engine's exit code (128 + N when a signal N ended it). When the
 launcher dies without a word (SIGKILL, its parent gone), the engine sees its connection close and kills itself,
-so an engine never outlives the process its owner started. CUDA engines never use the zygote (a forked CUDA
-context is unusable), nor does anything when the variable is unset or the zygote does not answer: the launcher
-then simply runs the engine itself.
+so an engine never outlives the process its owner started. The launcher binds the engine's HTTP port itself and
+hands over the socket, so the process slime started is the one listening there. CUDA engines never use the
+zygote (a forked CUDA context is unusable), nor do multi-node engines (rank 0 binds a rendezvous port of its own),
+nor does anything when the variable is unset or the zygote does not answer: the launcher then simply runs the
+engine itself.
 
 The zygote is single-threaded (a fork copies only the calling thread; no lock can be held by another) and
 reaps its children in its accept loop.
@@ -58,8 +60,8 @@ def run_via_zygote(argv: list[str]) -> int | None:
     """Run the fake engine `argv` as a fork of the zygote named by `SLIME_SIM_ZYGOTE`; its exit code, or None
     when there is no zygote to ask (the caller then runs the engine itself)."""
     path = os.environ.get(ENV)
-    if not path or path == "0" or _flag(argv, "--device", "cpu") == "cuda" or _flag(argv, "--node-rank", "0") != "0":
-        return None  # CUDA cannot be forked; other node ranks bind no port and import little
+    if not path or path == "0" or _flag(argv, "--device", "cpu") == "cuda" or _flag(argv, "--nnodes", "1") != "1":
+        return None  # CUDA cannot be forked; a multi-node engine's rank 0 binds a rendezvous port of its own
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(path)

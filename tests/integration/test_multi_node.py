@@ -45,6 +45,9 @@ def _env() -> dict[str, str]:
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_AUTH_MODE": "disabled",
+        # this test watches every engine's own sockets: engines run as children of their actors, not as forks of
+        # the test session's zygote (sim/fake_sglang/zygote.py), which would take them out of the watched tree
+        "SLIME_SIM_ZYGOTE": "0",
     }
 
 

@@ -101,10 +101,13 @@ def test_without_a_zygote_the_launcher_is_the_engine(tmp_path: Path) -> None:
         launcher.kill()
 
 
-def test_cuda_engines_and_a_missing_zygote_run_directly(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_cuda_multinode_engines_and_a_missing_zygote_run_directly(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.setenv(zy.ENV, str(tmp_path / "absent.sock"))
     assert zy.run_via_zygote(["--engine", "synthetic"]) is None  # nobody listens: run it here
     monkeypatch.setenv(zy.ENV, "0")
     assert zy.run_via_zygote(["--engine", "synthetic"]) is None
     monkeypatch.setenv(zy.ENV, str(tmp_path / "absent.sock"))
     assert zy.run_via_zygote(["--engine", "hf", "--device", "cuda"]) is None
+    assert zy.run_via_zygote(["--engine", "synthetic", "--nnodes", "2", "--node-rank", "0"]) is None
