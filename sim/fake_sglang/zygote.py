@@ -73,7 +73,7 @@ def run_via_zygote(argv: list[str]) -> int | None:
         # then the one listening there (slime checks that a healthy answer comes from its own child), and a
         # port taken meanwhile fails here, as the engine's own bind would.
         listener = _bind(argv)
-    except OSError:
+    except (OSError, ValueError):
         conn.close()
         return None  # the engine, run here, meets the same error and reports it as it always does
     request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
