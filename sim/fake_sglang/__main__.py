@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from sim.fake_sglang.launch import LISTEN_FD, run_via_zygote
 from sim.fake_sglang.multinode import NodeRendezvous, parse_dist_init_addr, run_follower
 
 if TYPE_CHECKING:  # node ranks >= 1 never build an engine: they do not import torch
@@ -146,7 +147,7 @@ async def serve(a: argparse.Namespace) -> int:
     loop_task = asyncio.create_task(engine.run())
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    inherited = os.environ.pop("SLIME_SIM_LISTEN_FD", None)  # a fork of the zygote: its launcher bound the port
+    inherited = os.environ.pop(LISTEN_FD, None)  # a fork of the zygote: its launcher bound the port
     if inherited is not None:
         import socket
 
@@ -222,8 +223,6 @@ def pin_gpus(base_gpu_id: int, count: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     if argv is None:  # run as `python -m sim.fake_sglang`: a fork of the test session's zygote when there is one
-        from sim.fake_sglang.zygote import run_via_zygote
-
         code = run_via_zygote(sys.argv[1:])
         if code is not None:
             sys.exit(code)

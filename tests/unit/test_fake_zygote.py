@@ -14,6 +14,7 @@ import httpx
 import psutil
 import pytest
 
+from sim.fake_sglang import launch
 from sim.fake_sglang import zygote as zy
 from sim.fake_sglang.testing import fake_env
 from slime.utils.http_utils import find_free_port
@@ -36,9 +37,9 @@ def own_zygote(tmp_path_factory: pytest.TempPathFactory):
 def _start(path: str | None, tmp_path: Path) -> tuple[subprocess.Popen, str]:
     port = find_free_port(host="127.0.0.1")
     env = fake_env()
-    env.pop(zy.ENV, None)
+    env.pop(launch.ENV, None)
     if path is not None:
-        env[zy.ENV] = path
+        env[launch.ENV] = path
     cmd = [
         sys.executable,
         "-m",
@@ -104,10 +105,10 @@ def test_without_a_zygote_the_launcher_is_the_engine(tmp_path: Path) -> None:
 def test_cuda_multinode_engines_and_a_missing_zygote_run_directly(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setenv(zy.ENV, str(tmp_path / "absent.sock"))
-    assert zy.run_via_zygote(["--engine", "synthetic"]) is None  # nobody listens: run it here
-    monkeypatch.setenv(zy.ENV, "0")
-    assert zy.run_via_zygote(["--engine", "synthetic"]) is None
-    monkeypatch.setenv(zy.ENV, str(tmp_path / "absent.sock"))
-    assert zy.run_via_zygote(["--engine", "hf", "--device", "cuda"]) is None
-    assert zy.run_via_zygote(["--engine", "synthetic", "--nnodes", "2", "--node-rank", "0"]) is None
+    monkeypatch.setenv(launch.ENV, str(tmp_path / "absent.sock"))
+    assert launch.run_via_zygote(["--engine", "synthetic"]) is None  # nobody listens: run it here
+    monkeypatch.setenv(launch.ENV, "0")
+    assert launch.run_via_zygote(["--engine", "synthetic"]) is None
+    monkeypatch.setenv(launch.ENV, str(tmp_path / "absent.sock"))
+    assert launch.run_via_zygote(["--engine", "hf", "--device", "cuda"]) is None
+    assert launch.run_via_zygote(["--engine", "synthetic", "--nnodes", "2", "--node-rank", "0"]) is None
