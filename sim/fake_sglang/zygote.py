@@ -1,4 +1,4 @@
-"""A fork server for CPU fake engines: `python -m sim.fake_sglang` starts in ~0.3 s instead of ~9 CPU-seconds.
+"""A fork server for CPU fake engines: `python -m sim.fake_sglang` is ready in ~0.8 s instead of ~9 CPU-seconds.
 
 Why: a fake `hf` engine spends almost all of its start-up importing torch, transformers and the model classes
 (docs/performance.md, "One run's CPU"), and the test suite starts such engines by the hundred: every
@@ -203,11 +203,15 @@ def zygote() -> Iterator[str]:
     path. It starts in the background: until it listens, launchers run engines themselves. Stopped on exit."""
     folder = tempfile.mkdtemp(prefix="slime-zygote-")
     path = os.path.join(folder, "zygote.sock")
-    proc = subprocess.Popen(
+    from sim.fake_sglang.testing import fake_env
+    from slime.utils.process import die_with_parent, stop_popen
+
+    proc = subprocess.Popen(  # its own process group, and it goes when the test worker dies
         [sys.executable, "-m", "sim.fake_sglang.zygote", "--socket", path],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
-        env=dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"),
+        env=fake_env(),
+        preexec_fn=die_with_parent,
     )
     before = os.environ.get(ENV)
     os.environ[ENV] = path
@@ -218,12 +222,7 @@ def zygote() -> Iterator[str]:
             os.environ.pop(ENV, None)
         else:
             os.environ[ENV] = before
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_popen(proc)
         with contextlib.suppress(OSError):
             os.unlink(path)
             os.rmdir(folder)
