@@ -9,14 +9,18 @@ megatron-core falls back to without TransformerEngine/Apex) and torch's `fused` 
 
 Model variants (`--variant`): `fp32-norms` — every RMSNorm weight in fp32 against bf16 activations (how the
 trainer built them before: torch's fused RMSNorm refuses mixed dtypes); `trainer` — the model as `slime train`
-builds it; `fused` — plus megatron's SwiGLU and bias-dropout-add fusions (`torch.compile`d on first use).
+builds it (weight gradients accumulated into the fp32 main grads inside the GEMM, RoPE applied without per-sample
+host syncs); `before-fusions` — the trainer without those two (megatron's unfused gradient add and THD RoPE);
+`fused` — plus megatron's SwiGLU and bias-dropout-add fusions (`torch.compile`d on first use).
+Micro-batch sizes (`--seq`, several allowed): tokens per packed micro-batch; with `--sample-len` each micro-batch
+holds seq / sample-len samples of that length (RL micro-batches packed up to `--max-tokens-per-gpu`).
 Losses (`--loss`): `ce` — full-vocabulary fp32 cross-entropy; `logprob` — what the trainer computes, the
 log-probability of each token through `vocab_parallel_logprobs_and_entropy` in chunks of `--chunk` rows (no
 [tokens, vocab] fp32 tensor). `--profile` adds a torch.profiler table of the last configuration's kernels.
 
     export PYTHONPATH=$PWD/.gpu-site:$PWD
-    python -m bench.gpu_train --model 1.8B 0.5B --adam fused --micro-batches 1 4 --variant trainer fused \
-        --loss logprob --out $OUT/gpu_train.json
+    python -m bench.gpu_train --model 1.8B 0.5B --adam fused --micro-batches 4 --seq 4096 16384 --sample-len 4096 \
+        --variant before-fusions trainer --loss logprob --out $OUT/gpu_train.json
 
 Prints a table and writes JSON (after every configuration).
 """
@@ -58,10 +62,19 @@ def use_adam(opt: Any, impl: str) -> None:
 
 def build(args: Any, spec: Any, variant: str) -> Any:
     """The model of one `--variant`, on the GPU."""
+    from megatron.core.transformer import attention
+
+    from slime.backends.megatron import rope
     from slime.backends.megatron.model_provider import RMSNorm, build_gpt_model, build_transformer_config
 
     fusions = {"bias_activation_fusion": True, "bias_dropout_fusion": True} if variant == "fused" else {}
+    if variant == "before-fusions":
+        fusions = {"gradient_accumulation_fusion": False}
     model = build_gpt_model(args, spec, config=build_transformer_config(args, spec, **fusions)).cuda()
+    # process-wide, like megatron's own function: set for this variant's run
+    attention.apply_rotary_pos_emb = (
+        rope._megatron_apply_rotary_pos_emb if variant == "before-fusions" else rope.apply_packed_rope
+    )
     if variant == "fp32-norms":
         for m in model.modules():
             if isinstance(m, RMSNorm):
@@ -79,7 +92,7 @@ def loss_of(logits: Any, tokens: Any, loss: str, chunk: int) -> Any:
 
 
 def run(model_name: str, adam: str, micro_batches: int, a: argparse.Namespace, variant: str = "trainer",
-        loss: str = "ce", profile: bool = False) -> dict[str, Any]:  # fmt: skip
+        loss: str = "ce", profile: bool = False, seq: int = 4096, samples_per_mb: int = 1) -> dict[str, Any]:  # fmt: skip
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -115,11 +128,11 @@ def run(model_name: str, adam: str, micro_batches: int, a: argparse.Namespace, v
         [ddp],
     )
     use_adam(opt, adam)
-    per = a.seq // a.samples_per_mb
+    per = seq // samples_per_mb
     g = torch.Generator().manual_seed(0)
     batches = []
     for _ in range(micro_batches):
-        samples = [torch.randint(0, vocab, (per,), generator=g).tolist() for _ in range(a.samples_per_mb)]
+        samples = [torch.randint(0, vocab, (per,), generator=g).tolist() for _ in range(samples_per_mb)]
         batches.append(pack_samples(samples, device="cuda"))
     torch.cuda.reset_peak_memory_stats()
     times, phases = [], []
@@ -142,11 +155,11 @@ def run(model_name: str, adam: str, micro_batches: int, a: argparse.Namespace, v
     kernels = profile_step(ddp, opt, batches, loss, a) if profile else None
     t = sorted(times)[len(times) // 2]
     fwd_bwd, opt_t = (sorted(x)[len(x) // 2] for x in zip(*phases, strict=True))
-    tokens = a.seq * micro_batches
+    tokens = seq * micro_batches
     # attention FLOPs of packed causal samples: 6·L·H·s·T with s the per-sample length
     flops = 6 * n_params * tokens + 6 * layers * hidden * per * tokens
-    row = {"model": model_name, "variant": variant, "loss": loss, "adam": adam, "micro_batches": micro_batches, "params": n_params, "seq": a.seq,
-           "samples_per_mb": a.samples_per_mb, "step_s_median": t, "tokens_per_s": tokens / t,
+    row = {"model": model_name, "variant": variant, "loss": loss, "adam": adam, "micro_batches": micro_batches, "params": n_params, "seq": seq,
+           "samples_per_mb": samples_per_mb, "step_s_median": t, "tokens_per_s": tokens / t,
            "mfu": flops / t / PEAK, "gpu": torch.cuda.get_device_name(),
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "forward_backward_s": fwd_bwd,
            "optimizer_s": opt_t, "mfu_fwd_bwd_only": flops / fwd_bwd / PEAK}  # fmt: skip
@@ -190,24 +203,33 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--model", nargs="+", choices=sorted(SHAPES), default=["1.8B"])
     p.add_argument("--adam", nargs="+", choices=["foreach", "fused"], default=["foreach", "fused"])
     p.add_argument("--micro-batches", nargs="+", type=int, default=[1, 4], help="per optimizer step")
-    p.add_argument("--seq", type=int, default=4096, help="tokens per packed micro-batch")
-    p.add_argument("--samples-per-mb", type=int, default=1)
+    p.add_argument("--seq", nargs="+", type=int, default=[4096], help="tokens per packed micro-batch")
+    p.add_argument("--samples-per-mb", type=int, default=1, help="samples per micro-batch (without --sample-len)")
+    p.add_argument("--sample-len", type=int, default=None, help="tokens per sample: seq / sample-len per micro-batch")
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--variant", nargs="+", choices=["fp32-norms", "trainer", "fused"], default=["trainer"])
+    p.add_argument(
+        "--variant", nargs="+", choices=["fp32-norms", "before-fusions", "trainer", "fused"], default=["trainer"]
+    )
     p.add_argument("--loss", nargs="+", choices=["ce", "logprob"], default=["ce"])
     p.add_argument("--chunk", type=int, default=1024, help="rows per log-prob chunk (--loss logprob)")
     p.add_argument("--profile", action="store_true", help="profile the last configuration's kernels")
     p.add_argument("--out", default="bench/results/gpu_train.json")
     a = p.parse_args(argv)
     rows = []
-    print(f"{'model':>6} {'variant':>10} {'loss':>7} {'adam':>8} {'mbs':>4} {'step s':>8} {'fwd+bwd s':>10} "
-          f"{'opt s':>7} {'tok/s':>9} {'MFU':>6} {'×floor':>7} {'MFU w/o opt':>11}", flush=True)  # fmt: skip
-    configs = [(m, mbs, adam, v, loss) for m in a.model for mbs in a.micro_batches for adam in a.adam
-               for v in a.variant for loss in a.loss]  # fmt: skip
-    for i, (model_name, mbs, adam, variant, loss) in enumerate(configs):
-        r = run(model_name, adam, mbs, a, variant, loss, profile=a.profile and i == len(configs) - 1)
+    for seq in a.seq:
+        if a.sample_len and seq % a.sample_len:
+            p.error(f"--seq {seq} is not a multiple of --sample-len {a.sample_len}")
+    print(f"{'model':>6} {'variant':>14} {'loss':>7} {'adam':>8} {'mb tokens':>9} {'samples':>7} {'mbs':>4} "
+          f"{'step s':>8} {'fwd+bwd s':>10} {'opt s':>7} {'tok/s':>9} {'MFU':>6} {'×floor':>7} {'MFU w/o opt':>11}",
+          flush=True)  # fmt: skip
+    configs = [(m, seq, mbs, adam, v, loss) for m in a.model for seq in a.seq for mbs in a.micro_batches
+               for adam in a.adam for v in a.variant for loss in a.loss]  # fmt: skip
+    for i, (model_name, seq, mbs, adam, variant, loss) in enumerate(configs):
+        spm = seq // a.sample_len if a.sample_len else a.samples_per_mb
+        r = run(model_name, adam, mbs, a, variant, loss, profile=a.profile and i == len(configs) - 1, seq=seq,
+                samples_per_mb=spm)  # fmt: skip
         rows.append(r)
-        print(f"{model_name:>6} {variant:>10} {loss:>7} {adam:>8} {mbs:>4} {r['step_s_median']:>8.3f} "
+        print(f"{model_name:>6} {variant:>14} {loss:>7} {adam:>8} {seq:>9} {spm:>7} {mbs:>4} {r['step_s_median']:>8.3f} "
               f"{r['forward_backward_s']:>10.3f} {r['optimizer_s']:>7.3f} {r['tokens_per_s']:>9.0f} {r['mfu']:>6.1%} "
               f"{1 / r['mfu']:>7.2f} {r['mfu_fwd_bwd_only']:>11.1%}", flush=True)  # fmt: skip
         os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)

@@ -14,7 +14,7 @@
 #   tests       pytest -m gpu over tests/ (the GPU unit tests and tests/gpu; two-GPU tests skip on one GPU)
 #   sync        python -m bench.gpu_weight_sync  (colocated weight sync vs the bare CUDA-IPC hand-off)
 #   offload     python -m bench.gpu_offload      (sleep / wake-up vs pinned PCIe, GPU memory while asleep)
-#   train       python -m bench.gpu_train        (train-step MFU, two shapes, two Adam implementations)
+#   train       python -m bench.gpu_train        (train-step MFU, two shapes, 1 and 4 samples of 4096 per micro-batch)
 # NIGHTLY_PARTS="tests sync" runs a subset; NIGHTLY_MODEL (default 1.8B) picks the benches' model shape.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,7 +52,8 @@ for part in $parts; do
              --junitxml "$out/tests.xml" ;;
     sync) run_part sync python -m bench.gpu_weight_sync --model "$model" --work "$work" --out "$out/gpu_weight_sync.json" ;;
     offload) run_part offload python -m bench.gpu_offload --model "$model" --work "$work" --out "$out/gpu_offload.json" ;;
-    train) run_part train python -m bench.gpu_train --model 1.8B 0.5B --out "$out/gpu_train.json" ;;
+    train) run_part train python -m bench.gpu_train --model 1.8B 0.5B --adam fused --micro-batches 4 \
+        --seq 4096 16384 --sample-len 4096 --loss logprob --out "$out/gpu_train.json" ;;
     *) echo "gpu-nightly: unknown part '$part' (tests sync offload train)"; exit 2 ;;
   esac
 done

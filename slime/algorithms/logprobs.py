@@ -26,6 +26,7 @@ import torch
 
 from slime.algorithms.cp_slicing import cp_pad_len, response_ranges_for_cp, zigzag_chunk_ranges
 from slime.parallel_state import ParallelState
+from slime.utils.cuda_compile import cuda_compiled
 
 logger = logging.getLogger(__name__)
 
@@ -34,15 +35,59 @@ def _tp_size(ps: ParallelState | None) -> int:
     return 1 if ps is None else ps.size("tp")
 
 
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return x if temperature == 1.0 else x.div(temperature)
+
+
+@cuda_compiled
+def _row_max(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return _scaled(logits, temperature).amax(dim=-1, keepdim=True)
+
+
+@cuda_compiled
+def _row_sums(
+    logits: torch.Tensor, m: torch.Tensor, local: torch.Tensor, in_shard: torch.Tensor, temperature: float,
+    with_entropy: bool,
+) -> torch.Tensor:  # fmt: skip
+    """[sum exp x', x'_target (0 off this shard), (sum exp x' · x')] per row, x' = logits/T - m."""
+    x = _scaled(logits, temperature) - m
+    e = x.exp()
+    picked = x.gather(-1, local.clamp(0, max(x.shape[-1] - 1, 0)).unsqueeze(-1)).squeeze(-1)
+    cols = [e.sum(-1), torch.where(in_shard, picked, torch.zeros_like(picked))]
+    if with_entropy:
+        cols.append((e * x).sum(-1))
+    return torch.stack(cols, dim=-1)
+
+
+@cuda_compiled
+def _logits_grad(
+    logits: torch.Tensor, local: torch.Tensor, in_shard: torch.Tensor, m: torch.Tensor, s: torch.Tensor,
+    big_e: torch.Tensor, g_logp: torch.Tensor, g_entropy: torch.Tensor | None, temperature: float,
+) -> torch.Tensor:  # fmt: skip
+    """d(Σ g_logp·log p(t) + g_entropy·H)/d logits for these rows, in the logits' dtype."""
+    x = _scaled(logits, temperature) - m
+    p = x.exp() / s.unsqueeze(-1)
+    g = g_logp.unsqueeze(-1)
+    target = (torch.arange(x.shape[-1], device=x.device) == local.unsqueeze(-1)) & in_shard.unsqueeze(-1)
+    grad = torch.where(target, g, torch.zeros_like(g)) - p * g
+    if g_entropy is not None:
+        grad = grad - p * (x - big_e.unsqueeze(-1)) * g_entropy.unsqueeze(-1)
+    return (grad / temperature).to(logits.dtype)
+
+
 class _VocabParallelLogProbEntropy(torch.autograd.Function):
-    """(log p(target), entropy) per row of vocab-sharded logits.
+    """(log p(target), entropy) per row of vocab-sharded logits, `chunk` rows at a time.
 
     With x = logits/T, m the global row max, x' = x - m, S = sum_v exp(x'_v), p = exp(x')/S, E = sum_v p x':
         log p(t) = x'_t - log S,        H = log S - E.
     Gradients w.r.t. x on this rank's columns j:
         d log p(t)/dx_j = 1[j == t] - p_j,    dH/dx_j = -p_j (x'_j - E),
     then divided by T for the logits. p is recomputed in backward from the saved logits, m and S, so no
-    vocab-sized activation is kept besides the logits themselves.
+    vocab-sized activation is kept besides the logits themselves. Chunks bound the float32 temporaries of the
+    eager formulas (on CUDA each formula is one compiled kernel reading the logits directly); the gradient is
+    written chunk by chunk into one tensor (a chunk per autograd call would make autograd build a zero-filled
+    full-size gradient per chunk and add them all up).
     """
 
     @staticmethod
@@ -54,51 +99,54 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         temperature: float,
         vocab_start: int,
         with_entropy: bool,
+        chunk: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        dtype = torch.promote_types(logits.dtype, torch.float32)
         tp = _tp_size(ps) > 1
-        x = logits.to(dtype).div(temperature)
-        m = x.max(dim=-1, keepdim=True).values
-        if tp:
-            ps.all_reduce(m, "max", "tp")  # type: ignore[union-attr]
-        x.sub_(m)
-        e = x.exp()
         local = targets.long() - vocab_start
-        in_shard = (local >= 0) & (local < x.shape[-1])
-        picked = x.gather(-1, local.clamp(0, max(x.shape[-1] - 1, 0)).unsqueeze(-1)).squeeze(-1)
-        cols = [e.sum(-1), torch.where(in_shard, picked, torch.zeros_like(picked))]
-        if with_entropy:
-            cols.append((e * x).sum(-1))
-        stats = torch.stack(cols, dim=-1)
-        if tp:
-            ps.all_reduce(stats, "sum", "tp")  # type: ignore[union-attr]
-        s = stats[:, 0]
+        in_shard = (local >= 0) & (local < logits.shape[-1])
+        ms, stats = [], []
+        for i in range(0, max(logits.shape[0], 1), chunk):
+            rows = slice(i, i + chunk)
+            m = _row_max(logits[rows], temperature)
+            if tp:
+                ps.all_reduce(m, "max", "tp")  # type: ignore[union-attr]
+            st = _row_sums(logits[rows], m, local[rows], in_shard[rows], temperature, with_entropy)
+            if tp:
+                ps.all_reduce(st, "sum", "tp")  # type: ignore[union-attr]
+            ms.append(m)
+            stats.append(st)
+        m, st = (torch.cat(x) if len(x) > 1 else x[0] for x in (ms, stats))
+        s = st[:, 0]
         log_s = s.log()
-        logp = stats[:, 1] - log_s
+        logp = st[:, 1] - log_s
         if with_entropy:
-            big_e = stats[:, 2] / s
+            big_e = st[:, 2] / s
             entropy = log_s - big_e
         else:
             big_e = torch.zeros_like(s)
             entropy = torch.zeros_like(s)
             ctx.mark_non_differentiable(entropy)
         ctx.save_for_backward(logits, local, in_shard, m, s, big_e)
-        ctx.temperature = temperature
-        ctx.with_entropy = with_entropy
+        ctx.temperature, ctx.with_entropy, ctx.chunk = temperature, with_entropy, chunk
         return logp, entropy
 
     @staticmethod
     def backward(ctx, g_logp: torch.Tensor, g_entropy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         logits, local, in_shard, m, s, big_e = ctx.saved_tensors
-        x = logits.to(m.dtype).div(ctx.temperature).sub_(m)
-        p = x.exp().div_(s.unsqueeze(-1))
-        grad = p * (-g_logp.unsqueeze(-1))
-        rows = torch.nonzero(in_shard, as_tuple=True)[0]
-        grad.index_put_((rows, local[rows]), g_logp[rows], accumulate=True)
-        if ctx.with_entropy and g_entropy is not None:
-            grad.sub_(p * (x - big_e.unsqueeze(-1)) * g_entropy.unsqueeze(-1))
-        grad.div_(ctx.temperature)
-        return grad.to(logits.dtype), None, None, None, None, None
+        g_entropy = g_entropy if ctx.with_entropy else None
+        n, chunk = logits.shape[0], ctx.chunk
+
+        def part(rows: slice) -> torch.Tensor:
+            g_h = g_entropy[rows] if g_entropy is not None else None
+            return _logits_grad(logits[rows], local[rows], in_shard[rows], m[rows], s[rows], big_e[rows],
+                                g_logp[rows], g_h, ctx.temperature)  # fmt: skip
+
+        if n <= chunk:
+            return part(slice(0, n)), None, None, None, None, None, None
+        grad = torch.empty_like(logits)
+        for i in range(0, n, chunk):
+            grad[i : i + chunk] = part(slice(i, i + chunk))
+        return grad, None, None, None, None, None, None
 
 
 def vocab_parallel_logprobs_and_entropy(
@@ -125,15 +173,8 @@ def vocab_parallel_logprobs_and_entropy(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     n = logits_shard.shape[0]
-    if chunk_size is None or chunk_size <= 0 or n <= chunk_size:
-        return _VocabParallelLogProbEntropy.apply(logits_shard, targets, ps, temperature, vocab_start, with_entropy)
-    parts = [
-        _VocabParallelLogProbEntropy.apply(
-            logits_shard[i : i + chunk_size], targets[i : i + chunk_size], ps, temperature, vocab_start, with_entropy
-        )
-        for i in range(0, n, chunk_size)
-    ]
-    return torch.cat([lp for lp, _ in parts]), torch.cat([h for _, h in parts])
+    chunk = chunk_size if chunk_size is not None and chunk_size > 0 else max(n, 1)
+    return _VocabParallelLogProbEntropy.apply(logits_shard, targets, ps, temperature, vocab_start, with_entropy, chunk)
 
 
 def response_rows(

@@ -124,3 +124,43 @@ def test_export_round_trips_into_hf(trainer_and_ckpt, tmp_path):
         ref = hf(torch.tensor(tokens, device="cuda")).logits[0]
     # the packed row is padded to --data-pad-size-multiplier: compare the sequence's own rows
     assert torch.allclose(logits[: len(tokens[0]), : ref.size(-1)].float(), ref, atol=1e-3)
+
+
+def test_fused_weight_gradient_accumulation_equals_unfused(trainer_and_ckpt):
+    """On CUDA the linears accumulate weight gradients into the fp32 main grads inside the GEMM (wgrad_fusion.py):
+    two bf16 micro-batches leave the same main grads as megatron's unfused add, up to bf16 rounding."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from slime.backends.megatron.model_provider import build_gpt_model, build_transformer_config
+    from slime.backends.megatron.packing import pack_samples
+
+    trainer, _, args = trainer_and_ckpt
+    assert trainer.model.module.config.gradient_accumulation_fusion  # what `slime train` builds on a GPU
+    state = {k: v for k, v in trainer.model.module.state_dict().items() if "_extra_state" not in k}
+    rng = random.Random(3)
+    rows = [[[rng.randrange(3, trainer.spec.vocab_size) for _ in range(rng.randint(20, 60))] for _ in range(3)]
+            for _ in range(2)]  # fmt: skip
+    grads, fused_flags = [], []
+    for fused in (True, False):
+        cfg = build_transformer_config(
+            args, trainer.spec, gradient_accumulation_fusion=fused, bf16=True, params_dtype=torch.bfloat16
+        )
+        model = build_gpt_model(args, trainer.spec, config=cfg).cuda()
+        model.load_state_dict(state, strict=False)
+        ddp = DistributedDataParallel(
+            config=cfg, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model
+        )
+        ddp.zero_grad_buffer()
+        for samples in rows:  # two micro-batches: the second accumulates onto the first
+            packed = pack_samples(samples, device="cuda")
+            logits = ddp(packed.tokens, packed.position_ids, None, packed_seq_params=packed.packed_seq_params)
+            torch.nn.functional.cross_entropy(logits[0].float(), packed.tokens[0]).backward()
+        torch.cuda.synchronize()
+        grads.append({n: p.main_grad.detach().clone() for n, p in model.named_parameters()})
+        fused_flags.append(any(getattr(p, "grad_added_to_main_grad", False) for p in model.parameters()))
+    assert fused_flags == [True, False]  # the fused run took the GEMM-accumulate path, the other did not
+    for name, want in grads[1].items():
+        got = grads[0][name]
+        assert want.abs().sum() > 0, name
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel < 2e-2, (name, rel)

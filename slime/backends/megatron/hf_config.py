@@ -191,7 +191,8 @@ def transformer_config_kwargs(spec: HFModelSpec, args: Any) -> dict[str, Any]:
         qk_layernorm=spec.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        # Fusions need TE/Apex or CUDA kernels; the local spec's unfused paths are exact.
+        # Fusions need TE/Apex or CUDA kernels; the local spec's unfused paths are exact. (model_provider turns
+        # gradient_accumulation_fusion on where CUDA offers an fp32-output GEMM: wgrad_fusion.py.)
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         masked_softmax_fusion=False,

@@ -36,6 +36,7 @@ from slime.backends.megatron.hf_config import (
     transformer_config_kwargs,
 )
 from slime.backends.megatron.rope import use_positional_rope
+from slime.backends.megatron.wgrad_fusion import use_wgrad_accumulation_fusion
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,8 @@ def _moe_without_transformer_engine() -> None:
 
 def build_transformer_config(args: Any, spec: HFModelSpec, **overrides: Any) -> TransformerConfig:
     kwargs = transformer_config_kwargs(spec, args)
+    # on CUDA, weight gradients accumulate into the fp32 main grads inside the GEMM (wgrad_fusion.py)
+    kwargs["gradient_accumulation_fusion"] = use_wgrad_accumulation_fusion()
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 

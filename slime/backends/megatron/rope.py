@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from slime.utils.cuda_compile import cuda_compiled
+
 logger = logging.getLogger(__name__)
 
 
@@ -57,6 +59,76 @@ class PositionalRotaryEmbedding(torch.nn.Module):
 
 def use_positional_rope(model: torch.nn.Module) -> None:
     """Wrap the GPTModel's rotary embedding (a no-op for models without one, e.g. middle pipeline stages)."""
+    use_packed_rope()
     inner = getattr(model, "rotary_pos_emb", None)
     if inner is not None and not isinstance(inner, PositionalRotaryEmbedding):
         model.rotary_pos_emb = PositionalRotaryEmbedding(inner)
+
+
+# --- applying the per-token table -------------------------------------------------------------------------------
+#
+# megatron's unfused THD RoPE (`_apply_rotary_pos_emb_thd`) splits the row at its `cu_seqlens` and reads every
+# segment's start with `.item()` (a host sync for q and for k in every layer), re-concatenates the table, then
+# recomputes cos and sin of all of it. For a per-token table on one CP rank the split changes nothing: the table's
+# rows are the row's tokens in order. `apply_packed_rope` takes that case: cos/sin once per forward, no host sync,
+# and on CUDA one compiled kernel per direction instead of megatron's six. Every other case is megatron's own code.
+
+_megatron_apply_rotary_pos_emb: Any = None
+_cos_sin_cache: dict[str, Any] = {}
+
+
+@cuda_compiled
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # megatron's non-interleaved formula, op for op: t·cos + rotate_half(t)·sin (one kernel on CUDA)
+    x1, x2 = torch.chunk(t, 2, dim=-1)
+    return (t * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
+
+
+def _cos_sin(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of this forward's table, computed once for all layers (q and k, forward and recompute)."""
+    key = (freqs._version, mscale, dtype)  # and the very tensor: a new forward brings a new table
+    if _cos_sin_cache.get("freqs") is not freqs or _cos_sin_cache.get("key") != key:
+        with torch.no_grad():
+            f = freqs.squeeze(1)  # [T, 1, 1, d] -> [T, 1, d], broadcast over heads of t [T, h, d]
+            cos, sin = ((fn(f) * mscale).to(dtype) for fn in (torch.cos, torch.sin))
+        _cos_sin_cache.update(key=key, freqs=freqs, value=(cos, sin))
+    return _cos_sin_cache["value"]
+
+
+def apply_packed_rope(
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    config: Any,
+    cu_seqlens: torch.Tensor | None = None,
+    mscale: float = 1.0,
+    cp_group: Any = None,
+) -> torch.Tensor:
+    """`megatron.core.models.common.embeddings.rope_utils.apply_rotary_pos_emb`, with a fast path for THD rows
+    whose table has one row per token (slime's packed rows) on a single CP rank."""
+    if (
+        cu_seqlens is not None
+        and cp_group is not None
+        and cp_group.size() == 1
+        and t.dim() == 3
+        and freqs.dim() == 4
+        and freqs.size(0) == t.size(0)
+        and freqs.size(-1) == t.size(-1)
+        and not config.apply_rope_fusion
+        and not config.rotary_interleaved
+        and not config.multi_latent_attention
+    ):
+        cos, sin = _cos_sin(freqs, mscale, t.dtype)
+        return _rotate(t, cos, sin)
+    return _megatron_apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
+
+
+def use_packed_rope() -> None:
+    """Route megatron's attention through `apply_packed_rope` (idempotent; process-wide, as megatron's own
+    function is: every model of the process builds its attention from the same module)."""
+    global _megatron_apply_rotary_pos_emb
+    from megatron.core.transformer import attention
+
+    if attention.apply_rotary_pos_emb is apply_packed_rope:
+        return
+    _megatron_apply_rotary_pos_emb = attention.apply_rotary_pos_emb
+    attention.apply_rotary_pos_emb = apply_packed_rope
