@@ -11,13 +11,13 @@ import json
 import logging
 import os
 import random
+import sys
 import time
 from argparse import Namespace
 from collections.abc import Callable
 from typing import Any
 
 import ray
-import torch
 
 from slime.ray.placement import Placement
 from slime.ray.train_data import build_rank_data, rollout_samples
@@ -88,7 +88,10 @@ class RolloutManager:
         if self.servers is not None:
             info.update(self.servers.info())
         info["manager_pid"] = os.getpid()
-        info["dist_initialized"] = torch.distributed.is_available() and torch.distributed.is_initialized()
+        torch = sys.modules.get("torch")  # not imported: then no process group can exist either
+        info["dist_initialized"] = bool(
+            torch and torch.distributed.is_available() and torch.distributed.is_initialized()
+        )
         return info
 
     # ---- weight sync ----------------------------------------------------------------------------------------
@@ -140,6 +143,8 @@ class RolloutManager:
 
     def _load_dump(self, rollout_id: int) -> list[Sample]:
         path = dump_path(self.args.load_debug_rollout_data, rollout_id)
+        import torch  # the driver imports this module too, and needs no torch
+
         data = torch.load(path, weights_only=False)
         samples = [Sample.from_dict(d) for d in data["samples"]]
         frac = self.args.load_debug_rollout_data_subsample
@@ -207,6 +212,8 @@ class RolloutManager:
         self, rollout_id: int, samples: list[Sample], extra: dict[str, float], rollout_time: float
     ) -> tuple[list[Any] | None, dict[str, float] | None]:
         if self.args.save_debug_rollout_data and not self.args.load_debug_rollout_data:
+            import torch  # the driver imports this module too, and needs no torch
+
             with atomic_open(dump_path(self.args.save_debug_rollout_data, rollout_id), "wb") as f:
                 dump = {"rollout_id": rollout_id, "hf_checkpoint": self.args.hf_checkpoint}
                 torch.save({**dump, "samples": [s.to_dict() for s in samples]}, f)
@@ -271,6 +278,8 @@ class RolloutManager:
             pending = {
                 rid: ([s.to_dict() for s in samples], extra) for rid, (samples, extra, _) in self._pending.items()
             }
+            import torch  # the driver imports this module too, and needs no torch
+
             with atomic_open(os.path.join(rollout_dir, f"pending_{rollout_id}.pt"), "wb") as f:
                 torch.save(pending, f)
 
@@ -285,6 +294,8 @@ class RolloutManager:
             logger.info("resumed %d carried-over groups from %s", len(self.carry), carry_path)
         pending_path = os.path.join(rollout_dir, f"pending_{rollout_id}.pt")
         if os.path.exists(pending_path):
+            import torch  # the driver imports this module too, and needs no torch
+
             pending = torch.load(pending_path, weights_only=False)
             for rid, (samples, extra) in pending.items():
                 self._pending[int(rid)] = ([Sample.from_dict(d) for d in samples], extra, 0.0)

@@ -20,7 +20,6 @@ import logging
 from argparse import Namespace
 from typing import Any
 
-from slime.algorithms.advantages import normalize_rewards_from_args
 from slime.algorithms.fan_out import assign_default_group_ids, flatten_samples, validate_fan_out
 from slime.scheduling.carry import CarryBuffer, TrainBatch
 from slime.scheduling.denominators import group_mask_sums, sample_loss_mask
@@ -47,6 +46,9 @@ def post_process_rewards(args: Namespace, samples: list[Sample]) -> tuple[list[f
     """(raw, normalised) per sample. GRPO statistics are over trajectories grouped by prompt index."""
     if args.custom_reward_post_process_path:
         return load_function(args.custom_reward_post_process_path)(args, samples)
+    # here, not at module level: the driver imports this module (through RolloutManager) and never needs torch
+    from slime.algorithms.advantages import normalize_rewards_from_args
+
     raw = [s.get_reward_value(args) for s in samples]
     return raw, [float(r) for r in normalize_rewards_from_args(args, samples)]
 

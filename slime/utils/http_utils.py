@@ -14,9 +14,10 @@ import os
 import random
 import socket
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
+if TYPE_CHECKING:
+    import aiohttp
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,8 @@ def find_free_port(start: int | None = None, host: str = "127.0.0.1") -> int:
 
 def get_session() -> aiohttp.ClientSession:
     """The shared session of the running loop (created on first use)."""
+    import aiohttp  # here: processes that only need ports (engine actors, the driver) skip its ~1 s import
+
     loop = asyncio.get_running_loop()
     session = _sessions.get(loop)
     if session is None or session.closed:
@@ -134,6 +137,8 @@ async def _request_json(
 ) -> Any:
     # Only connection failures are retried: a 4xx/5xx answer is the server's verdict, and re-sending a
     # /generate that reached the engine would duplicate work.
+    import aiohttp
+
     delay = 0.2
     for attempt in range(max_retries + 1):
         try:

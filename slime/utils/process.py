@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import IO, TypeVar
 
-import httpx
 import psutil
 
 logger = logging.getLogger(__name__)
@@ -232,6 +231,8 @@ class ManagedProcess:
 
 
 def _url_probe(url: str, request_timeout: float) -> Callable[[], bool]:
+    import httpx  # here: most importers of this module never probe a URL
+
     def check() -> bool:
         try:
             return httpx.get(url, timeout=request_timeout).status_code == 200

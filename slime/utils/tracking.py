@@ -69,9 +69,10 @@ class Tracker:
         path = os.path.join(self.metrics_dir, "metrics.jsonl")
         self._jsonl_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         if args.use_tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard import costs ~1 s
+            # tensorboard's own event writer (what torch's SummaryWriter wraps): the driver need not import torch
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-            self._tb = SummaryWriter(log_dir=os.path.join(self.metrics_dir, "tb"))
+            self._tb = EventFileWriter(os.path.join(self.metrics_dir, "tb"))
         if args.use_wandb:
             self._wandb = _init_wandb(args, self.metrics_dir)
 
@@ -84,12 +85,17 @@ class Tracker:
             record = {"step": int(step), "kind": kind, "wall_time": now, "metrics": _to_plain(metrics)}
             os.write(self._jsonl_fd, (json.dumps(record, allow_nan=False) + "\n").encode())
         if self._tb is not None:
+            from tensorboard.compat.proto.event_pb2 import Event
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            values = []
             for key, value in metrics.items():
                 v = _scalar(value)
                 if v is None:
                     continue  # non-scalar values live in the JSONL only
                 tag = key if key.startswith(f"{kind}/") else f"{kind}/{key}"
-                self._tb.add_scalar(tag, v, global_step=int(step), walltime=now)
+                values.append(Summary.Value(tag=tag, simple_value=v))
+            self._tb.add_event(Event(wall_time=now, step=int(step), summary=Summary(value=values)))
             self._tb.flush()
         if self._wandb is not None:
             scalars = {(k if k.startswith(f"{kind}/") else f"{kind}/{k}"): _scalar(v) for k, v in metrics.items()}
