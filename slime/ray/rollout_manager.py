@@ -40,6 +40,19 @@ def dump_path(template: str, rollout_id: int) -> str:
     return template.format(rollout_id=rollout_id)
 
 
+def _save_pt(obj: Any, path: str) -> None:
+    import torch  # here: the driver imports this module too and never needs torch
+
+    with atomic_open(path, "wb") as f:
+        torch.save(obj, f)
+
+
+def _load_pt(path: str) -> Any:
+    import torch
+
+    return torch.load(path, weights_only=False)
+
+
 class RolloutManager:
     def __init__(self, args: Namespace, placement: Placement | None) -> None:
         self.log_path = configure_actor(args.log_level, args.metrics_dir, "rollout_manager")
@@ -143,9 +156,7 @@ class RolloutManager:
 
     def _load_dump(self, rollout_id: int) -> list[Sample]:
         path = dump_path(self.args.load_debug_rollout_data, rollout_id)
-        import torch  # the driver imports this module too, and needs no torch
-
-        data = torch.load(path, weights_only=False)
+        data = _load_pt(path)
         samples = [Sample.from_dict(d) for d in data["samples"]]
         frac = self.args.load_debug_rollout_data_subsample
         if frac is not None:
@@ -212,11 +223,11 @@ class RolloutManager:
         self, rollout_id: int, samples: list[Sample], extra: dict[str, float], rollout_time: float
     ) -> tuple[list[Any] | None, dict[str, float] | None]:
         if self.args.save_debug_rollout_data and not self.args.load_debug_rollout_data:
-            import torch  # the driver imports this module too, and needs no torch
-
-            with atomic_open(dump_path(self.args.save_debug_rollout_data, rollout_id), "wb") as f:
-                dump = {"rollout_id": rollout_id, "hf_checkpoint": self.args.hf_checkpoint}
-                torch.save({**dump, "samples": [s.to_dict() for s in samples]}, f)
+            dump = {"rollout_id": rollout_id, "hf_checkpoint": self.args.hf_checkpoint}
+            _save_pt(
+                {**dump, "samples": [s.to_dict() for s in samples]},
+                dump_path(self.args.save_debug_rollout_data, rollout_id),
+            )
         metrics = {**extra, **self._rollout_metrics(samples)}
         rank_refs = None
         if not self.args.debug_rollout_only:
@@ -278,10 +289,7 @@ class RolloutManager:
             pending = {
                 rid: ([s.to_dict() for s in samples], extra) for rid, (samples, extra, _) in self._pending.items()
             }
-            import torch  # the driver imports this module too, and needs no torch
-
-            with atomic_open(os.path.join(rollout_dir, f"pending_{rollout_id}.pt"), "wb") as f:
-                torch.save(pending, f)
+            _save_pt(pending, os.path.join(rollout_dir, f"pending_{rollout_id}.pt"))
 
     def load(self, rollout_id: int, path: str) -> None:
         rollout_dir = os.path.join(path, "rollout")
@@ -294,9 +302,7 @@ class RolloutManager:
             logger.info("resumed %d carried-over groups from %s", len(self.carry), carry_path)
         pending_path = os.path.join(rollout_dir, f"pending_{rollout_id}.pt")
         if os.path.exists(pending_path):
-            import torch  # the driver imports this module too, and needs no torch
-
-            pending = torch.load(pending_path, weights_only=False)
+            pending = _load_pt(pending_path)
             for rid, (samples, extra) in pending.items():
                 self._pending[int(rid)] = ([Sample.from_dict(d) for d in samples], extra, 0.0)
             if pending:

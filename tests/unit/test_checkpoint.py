@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from slime.backends.megatron import checkpoint as ck
+from slime.backends.megatron import checkpoint_dirs as ck
 
 pytestmark = pytest.mark.cpu
 

@@ -34,17 +34,8 @@ from typing import Any
 
 import torch
 
-# the directory protocol (driver side: no torch, no megatron), re-exported for the trainer's callers
-from slime.backends.megatron.checkpoint_dirs import (  # noqa: F401
-    FORMAT_VERSION,
-    MARKER,
-    TRACKER,
-    begin_save,
-    find_checkpoint,
-    finish_save,
-    iter_dir,
-    read_tracker,
-)
+# the directory protocol (layout above) lives apart: the driver uses it without importing torch
+from slime.backends.megatron.checkpoint_dirs import FORMAT_VERSION
 
 logger = logging.getLogger(__name__)
 
