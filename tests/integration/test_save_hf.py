@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sim.rank_spawn import spawn_ranks
 from slime.utils.http_utils import find_free_port
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
@@ -57,13 +58,12 @@ def _worker(rank: int, ckpt: str, out: str, port: int) -> None:
 
 
 def test_save_hf_loads_in_transformers_with_trainer_logits(tmp_path):
-    import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM
 
     from sim.tiny_checkpoint import build_tiny_checkpoint
 
     ckpt = str(build_tiny_checkpoint(tmp_path / "model"))
-    mp.spawn(_worker, args=(ckpt, str(tmp_path), find_free_port()), nprocs=2)
+    spawn_ranks(_worker, args=(ckpt, str(tmp_path), find_free_port()), nprocs=2)
     out = tmp_path / "hf_0"
     assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
     index = json.loads((out / "model.safetensors.index.json").read_text())

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sim.rank_spawn import spawn_ranks
 from slime.utils.http_utils import find_free_port
 
 pytestmark = pytest.mark.cpu
@@ -127,11 +128,9 @@ def _worker(rank: int, ckpt: str, engines: list, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_tp2_trainer_syncs_heterogeneous_engines(ckpt, engines, tmp_path):
-    import torch.multiprocessing as mp
-
     out = tmp_path / "res.json"
     t0 = time.time()
-    mp.spawn(_worker, args=(ckpt, [(u, k, str(p)) for u, k, p in engines], find_free_port(), str(out)), nprocs=2)
+    spawn_ranks(_worker, args=(ckpt, [(u, k, str(p)) for u, k, p in engines], find_free_port(), str(out)), nprocs=2)
     res = json.loads(out.read_text())
     # parity: rollout 0 on the initial weights, rollout 1 on the weights of sync 1 (from the other engine)
     for m in res["train"]:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sim.rank_spawn import spawn_ranks
 from slime.utils.http_utils import find_free_port
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
@@ -99,13 +100,11 @@ def _merged(out: Path, name: str) -> dict:
 
 
 def test_pp2_checkpoint_loads_at_pp1_and_tp2_identically(tmp_path):
-    import torch.multiprocessing as mp
-
     from sim.tiny_checkpoint import build_tiny_checkpoint
 
     ckpt = str(build_tiny_checkpoint(tmp_path / "model"))
     for name, (world, _, _) in LAYOUTS.items():
-        mp.spawn(
+        spawn_ranks(
             _worker, args=(name, find_free_port(), ckpt, str(tmp_path)), nprocs=world
         )  # not daemonic: the checkpoint writer starts helpers
     want = _merged(tmp_path, "pp2")

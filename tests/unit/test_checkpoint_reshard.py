@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sim.rank_spawn import spawn_ranks
 from slime.utils.http_utils import find_free_port
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
@@ -152,13 +153,11 @@ def _worker(rank: int, world: int, port: int, ckpt: str, out_dir: str) -> None:
 
 
 def test_dp2_checkpoint_resumes_with_dp1(tmp_path):
-    import torch.multiprocessing as mp
-
     from sim.tiny_checkpoint import build_tiny_checkpoint
 
     ckpt = str(build_tiny_checkpoint(tmp_path / "model"))
-    mp.spawn(_worker, args=(2, find_free_port(), ckpt, str(tmp_path)), nprocs=2)
-    mp.spawn(_worker, args=(1, find_free_port(), ckpt, str(tmp_path)), nprocs=1)
+    spawn_ranks(_worker, args=(2, find_free_port(), ckpt, str(tmp_path)), nprocs=2)
+    spawn_ranks(_worker, args=(1, find_free_port(), ckpt, str(tmp_path)), nprocs=1)
     for kind in OPTIMIZERS:
         r = json.loads((tmp_path / f"result_{kind}.json").read_text())
         assert r["meta_dp"] == 2 and r["same_names"]
@@ -206,11 +205,9 @@ def _bf16_worker(rank: int, phase: str, ckpt: str, out_dir: str, port: int) -> N
 
 
 def test_bf16_mixed_group_distributed_optimizer_round_trip(tmp_path):
-    import torch.multiprocessing as mp
-
     from sim.tiny_checkpoint import build_tiny_checkpoint
 
     ckpt = str(build_tiny_checkpoint(tmp_path / "model", hidden_size=128))
-    mp.spawn(_bf16_worker, args=("save", ckpt, str(tmp_path), find_free_port()), nprocs=1)
-    mp.spawn(_bf16_worker, args=("load", ckpt, str(tmp_path), find_free_port()), nprocs=1)
+    spawn_ranks(_bf16_worker, args=("save", ckpt, str(tmp_path), find_free_port()), nprocs=1)
+    spawn_ranks(_bf16_worker, args=("load", ckpt, str(tmp_path), find_free_port()), nprocs=1)
     assert json.loads((tmp_path / "bf16_result.json").read_text()) == {"equal": True, "steps": [3.0]}

@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 
+from sim.rank_spawn import spawn_ranks
 from slime.utils.http_utils import find_free_port
 
 pytestmark = pytest.mark.cpu
@@ -130,11 +131,9 @@ _RESULTS: dict[int, dict] = {}
 
 
 def _results(cp: int, tmp_path_factory) -> dict:
-    import torch.multiprocessing as mp
-
     if cp not in _RESULTS:
         out = tmp_path_factory.mktemp(f"cp_attention{cp}")
-        mp.spawn(_worker, args=(cp, find_free_port(), str(out)), nprocs=cp, daemon=True)
+        spawn_ranks(_worker, args=(cp, find_free_port(), str(out)), nprocs=cp, daemon=True)
         _RESULTS[cp] = torch.load(out / f"cp{cp}.pt")
     return _RESULTS[cp]
 

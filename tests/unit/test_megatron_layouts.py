@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sim.rank_spawn import spawn_ranks
 from sim.tiny_checkpoint import build_random_qwen2
 from slime.utils.http_utils import find_free_port
 
@@ -149,13 +150,11 @@ def _worker(rank: int, ports: dict[str, int], ckpt: str, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    import torch.multiprocessing as mp
-
     root = tmp_path_factory.mktemp("layouts")
     ckpt = str(root / "model")
     build_random_qwen2(Path(ckpt), num_layers=4)
     ports = {name: find_free_port() for name in LAYOUTS}
-    mp.spawn(_worker, args=(ports, ckpt, str(root)), nprocs=WORLD, daemon=True)
+    spawn_ranks(_worker, args=(ports, ckpt, str(root)), nprocs=WORLD, daemon=True)
     runs = {}
     for name, (*_, pp) in LAYOUTS.items():
         stages = [torch.load(root / f"{name}.pp{k}.pt") for k in range(pp)]

@@ -1,7 +1,7 @@
 """Real megatron-core GPTModels on CPU over gloo (2 processes): same numbers as the HF model, exact packing,
 bit-exact HF↔mcore round trips, and TP=2 / DP=2 losses equal to TP=1.
 
-One `torch.multiprocessing.spawn` of 2 ranks does all the work (megatron's import costs ~7 s per process):
+One spawn of 2 ranks (`sim/rank_spawn.py`) does all the work:
 phase 1 runs tp=1 (so dp=2), phase 2 re-initialises megatron with tp=2. Each rank writes its measurements
 to a file; the tests below assert on them.
 """
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sim.rank_spawn import spawn_ranks
 from slime.utils.http_utils import find_free_port
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
@@ -199,15 +200,13 @@ def _collectives(ps) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    import torch.multiprocessing as mp
-
     root = tmp_path_factory.mktemp("megatron_parallel")
     ckpts = {}
     for name, (cls_name, kw) in VARIANTS.items():
         _build_checkpoint(root / name, cls_name, kw)
         ckpts[name] = str(root / name)
     # daemon: should the test be interrupted, the ranks die with it (a failing rank makes spawn stop the other)
-    mp.spawn(_worker, args=(2, find_free_port(), ckpts, str(root)), nprocs=2, daemon=True)
+    spawn_ranks(_worker, args=(2, find_free_port(), ckpts, str(root)), nprocs=2, daemon=True)
     from safetensors.torch import load_file
 
     return {

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sim.rank_spawn import spawn_ranks
 from sim.tiny_checkpoint import build_random_qwen2
 from slime.utils.http_utils import find_free_port
 
@@ -232,15 +233,13 @@ def _reference(args, ckpt: str, vocab: int, per_sample_mean: bool = False, per_t
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    import torch.multiprocessing as mp
-
     from slime.backends.megatron.hf_config import read_hf_config
 
     root = tmp_path_factory.mktemp("reducer_dp")
     ckpt = str(root / "model")
     build_random_qwen2(Path(ckpt), num_layers=2)
     # daemon: should the test be interrupted, the ranks die with it (a failing rank makes spawn stop the other)
-    mp.spawn(_worker, args=([find_free_port() for _ in range(5)], ckpt, str(root)), nprocs=2, daemon=True)
+    spawn_ranks(_worker, args=([find_free_port() for _ in range(5)], ckpt, str(root)), nprocs=2, daemon=True)
     vocab = read_hf_config(ckpt).vocab_size
     args = _args(ckpt, 1)
     return {

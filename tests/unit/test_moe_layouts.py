@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sim.rank_spawn import spawn_ranks
 from sim.tiny_checkpoint import build_random_moe
 from slime.utils.http_utils import find_free_port
 from tests.unit.test_megatron_layouts import RTOL, SCHEDULE_METRICS, _args, _grad_error, _rel, _samples
@@ -105,13 +106,11 @@ def _worker(rank: int, ports: dict[str, int], ckpt: str, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    import torch.multiprocessing as mp
-
     root = tmp_path_factory.mktemp("moe_layouts")
     ckpt = str(root / "model")
     build_random_moe(Path(ckpt), "qwen2_moe", norm_topk_prob=True)
     ports = {name: find_free_port() for name in LAYOUTS}
-    mp.spawn(_worker, args=(ports, ckpt, str(root)), nprocs=WORLD, daemon=True)
+    spawn_ranks(_worker, args=(ports, ckpt, str(root)), nprocs=WORLD, daemon=True)
     runs = {}
     for name, (*_, pp, _aux) in LAYOUTS.items():
         stages = [torch.load(root / f"{name}.pp{k}.pt") for k in range(pp)]

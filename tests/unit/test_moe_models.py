@@ -3,7 +3,7 @@ with its gate) from their HF config give HF's logits, packed rows give the singl
 HF returns every tensor bit for bit, in four layouts: EP=1 (each rank the whole model), EP=2 (2 local experts per
 rank), TP=2 (experts split over ETP=2), and TP=2 × EP=2 with ETP=1.
 
-One `torch.multiprocessing.spawn` runs the four phases (megatron's import costs seconds per process); each rank
+One spawn of 2 ranks (`sim/rank_spawn.py`) runs the four phases; each rank
 writes its measurements to a file and the tests assert on them.
 """
 
@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sim.rank_spawn import spawn_ranks
 from sim.tiny_checkpoint import build_random_moe
 from slime.utils.http_utils import find_free_port
 
@@ -86,7 +87,6 @@ def _worker(rank: int, world: int, port: int, ckpts: dict[str, str], out_dir: st
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    import torch.multiprocessing as mp
     from safetensors.torch import load_file
 
     root = tmp_path_factory.mktemp("moe_models")
@@ -94,7 +94,7 @@ def results(tmp_path_factory):
     for name, kw in VARIANTS.items():
         build_random_moe(root / name, name, **kw)
         ckpts[name] = str(root / name)
-    mp.spawn(_worker, args=(2, find_free_port(), ckpts, str(root)), nprocs=2, daemon=True)
+    spawn_ranks(_worker, args=(2, find_free_port(), ckpts, str(root)), nprocs=2, daemon=True)
     return {
         "ranks": [torch.load(root / f"rank{r}.pt") for r in range(2)],
         "exports": {f.stem: torch.load(f) for f in Path(root).glob("*_qwen*_moe.pt")},

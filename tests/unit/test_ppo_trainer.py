@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from sim.rank_spawn import spawn_ranks
 from slime.utils.http_utils import find_free_port
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
@@ -128,8 +129,6 @@ def _checkpoint_with_value_head(src: Path, dst: Path) -> None:
 
 
 def test_critic_and_actor_from_role_args(tmp_path):
-    import torch.multiprocessing as mp
-
     from sim.tiny_checkpoint import build_tiny_checkpoint
 
     ckpt = build_tiny_checkpoint(tmp_path / "model")
@@ -142,7 +141,7 @@ def test_critic_and_actor_from_role_args(tmp_path):
         f"  - {{name: default, role: critic, overrides: {{lr: 5e-3, hf_checkpoint: {critic_ckpt}}}}}\n"
     )
     out = tmp_path / "res.json"
-    mp.spawn(_worker, args=(find_free_port(), str(ckpt), str(config), str(out)), nprocs=1)
+    spawn_ranks(_worker, args=(find_free_port(), str(ckpt), str(config), str(out)), nprocs=1)
     r = json.loads(out.read_text())
     assert r["offload_train"]
     assert r["head_is_value_head"] and r["head_weight0"] == 0.25  # the checkpoint's head, not a fresh one

@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+from sim.rank_spawn import spawn_ranks
 from slime.utils.http_utils import find_free_port
 from tests.unit.test_megatron_parallel import SHIM, _build_checkpoint, _sequences, _shared_prompt_samples
 
@@ -68,11 +69,9 @@ def _worker(rank: int, port: int, ckpt: str, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def res(tmp_path_factory):
-    import torch.multiprocessing as mp
-
     root = tmp_path_factory.mktemp("sequence_parallel")
     _build_checkpoint(root / "model", "Qwen3Config", CONFIG)
-    mp.spawn(_worker, args=(find_free_port(), str(root / "model"), str(root)), nprocs=2, daemon=True)
+    spawn_ranks(_worker, args=(find_free_port(), str(root / "model"), str(root)), nprocs=2, daemon=True)
     return torch.load(root / "sp.pt")
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from sim.rank_spawn import spawn_ranks
 from slime.utils.http_utils import find_free_port
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
@@ -82,8 +83,6 @@ def _worker(rank: int, port: int, student: str, ref: str, served: str, out: str)
 
 
 def test_served_reference_equals_trainer_reference_and_identical_teacher_is_zero(tmp_path):
-    import torch.multiprocessing as mp
-
     from sim.fake_sglang.testing import launch_fake_sglang
     from sim.tiny_checkpoint import build_tiny_checkpoint
     from slime.arguments import default_args
@@ -113,7 +112,7 @@ def test_served_reference_equals_trainer_reference_and_identical_teacher_is_zero
         json.dumps([s.to_dict() | {"status": "completed"} for s in samples])
     )
     out = tmp_path / "result.json"
-    mp.spawn(_worker, args=(find_free_port(), student, ref, str(served_path), str(out)), nprocs=1)
+    spawn_ranks(_worker, args=(find_free_port(), student, ref, str(served_path), str(out)), nprocs=1)
     r = json.loads(out.read_text())
     trainer, via_sglang = r["trainer"], r["served"]
     assert trainer["has_ref_copy"] and not via_sglang["has_ref_copy"]  # the served reference keeps no copy

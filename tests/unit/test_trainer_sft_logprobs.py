@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from sim.rank_spawn import spawn_ranks
 from slime.utils.http_utils import find_free_port
 
 pytestmark = pytest.mark.cpu
@@ -73,13 +74,11 @@ def _worker(rank: int, port: int, ckpt: str, out: str) -> None:
 
 
 def test_sft_skips_old_logprob_pass(tmp_path):
-    import torch.multiprocessing as mp
-
     from sim.tiny_checkpoint import build_tiny_checkpoint
 
     ckpt = str(build_tiny_checkpoint(tmp_path / "model"))
     out = tmp_path / "result.json"
-    mp.spawn(_worker, args=(find_free_port(), ckpt, str(out)), nprocs=1)
+    spawn_ranks(_worker, args=(find_free_port(), ckpt, str(out)), nprocs=1)
     r = json.loads(out.read_text())
     assert r["sft_loss"]["filled"] == [], r["sft_loss"]
     assert r["policy_loss"]["filled"] == ["log_probs"], r["policy_loss"]

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from sim.fake_sglang.testing import launch_fake_sglang
+from sim.rank_spawn import spawn_ranks
 from sim.tiny_checkpoint import build_tiny_checkpoint
 from slime.backends.megatron.weight_buckets import buckets_by_dtype, flatten
 from slime.backends.megatron.weight_sync import TensorWeightSync
@@ -129,12 +130,10 @@ def test_kept_sync_views_send_exactly_what_the_export_sends(ckpt, tmp_path):
     """`MegatronTrainer.weights_for_sync`: the views kept from the first sync flatten to the same bytes as the
     converting export, before and after the weights change in place and after a sleep/wake cycle re-grows the
     parameters' storages; while asleep the sync goes through the export (the host copy)."""
-    import torch.multiprocessing as mp
-
     from slime.utils.http_utils import find_free_port
 
     out = tmp_path / "res.json"
-    mp.spawn(_sources_worker, args=(str(ckpt), str(out), find_free_port()), nprocs=1)
+    spawn_ranks(_sources_worker, args=(str(ckpt), str(out), find_free_port()), nprocs=1)
     r = json.loads(out.read_text())
     assert r["shapes_differ"] > 0, r
     assert r["equal_export"] and r["same_list"] and r["equal_after_change"] and r["asleep_is_export"], r
