@@ -16,6 +16,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import tests.hypothesis_budget  # noqa: E402,F401 - loads the hypothesis profile (ci: full counts, dev: a fifth)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _fake_engine_zygote():

@@ -7,7 +7,7 @@ numbers, an integer literal past Python's digit limit, a random JSON value of th
 out of range, or bytes that are not JSON at all. The answer must be 4xx (200 only where the broken place
 happens to be allowed), in the API's own error shape, never naming the engine's host:port, and the gateway
 stays up. In-process gateway, `scripted` fake engine; 200 examples per API under CI=true (the "ci" profile
-of tests/property/conftest.py).
+of tests/hypothesis_budget.py).
 """
 
 from __future__ import annotations

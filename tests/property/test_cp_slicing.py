@@ -21,7 +21,7 @@ from slime.algorithms.cp_slicing import (
 
 pytestmark = pytest.mark.cpu
 
-N_EXAMPLES = settings().max_examples  # from the profile: 200 under CI=true (tests/property/conftest.py)
+N_EXAMPLES = settings().max_examples  # from the profile: 200 under CI=true (tests/hypothesis_budget.py)
 cp_sizes = st.integers(1, 8)
 
 

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from slime.arguments import default_args
 from slime.backends.sglang.deployment import build_plan, planned_ports
 from slime.backends.sglang.sglang_config import ModelConfig, ServerGroupConfig, SGLangConfig
+from tests.hypothesis_budget import examples
 
 pytestmark = pytest.mark.cpu
 
@@ -36,7 +37,7 @@ def topology(draw) -> SGLangConfig:
     return SGLangConfig(tuple(models))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(cfg=topology(), actor=st.integers(1, 16), colocate=st.booleans(), offload=st.booleans())
 def test_plan_invariants(cfg, actor, colocate, offload):
     n = cfg.num_gpus

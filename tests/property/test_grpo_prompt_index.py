@@ -22,6 +22,7 @@ from slime.algorithms.advantages import (
     reinforce_plus_plus_baseline_rewards,
 )
 from slime.utils.types import Sample
+from tests.hypothesis_budget import examples
 
 pytestmark = pytest.mark.cpu
 
@@ -66,7 +67,7 @@ def _reference_tokens(samples, traj_reward, std_norm, eps=1e-6):
     return out
 
 
-@settings(max_examples=250, deadline=None)
+@settings(max_examples=examples(250), deadline=None)
 @given(fan_out_batch(), st.booleans())
 def test_grpo_by_prompt_index_matches_token_loop(batch, std_norm):
     samples, traj_reward, split = batch

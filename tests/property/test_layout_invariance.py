@@ -20,6 +20,7 @@ from sim.fake_megatron import SimulatedWorld
 from slime.algorithms.cp_slicing import response_ranges_for_cp
 from slime.algorithms.reducers import reduce_train_metrics, rollout_group_mean, scale_for_megatron, sum_of_group_mean
 from slime.scheduling import build_schedule, group_mask_sums, sample_mask_sums
+from tests.hypothesis_budget import examples
 
 pytestmark = pytest.mark.cpu
 
@@ -169,7 +170,7 @@ def layout_case(draw):
     )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(layout_case())
 def test_gradient_is_layout_invariant(case):
     ref_loss = _check(case)

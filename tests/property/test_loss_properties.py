@@ -21,6 +21,7 @@ from slime.algorithms.logprobs import vocab_parallel_logprobs_and_entropy
 from slime.algorithms.loss import policy_loss_function
 from slime.algorithms.policy_loss import compute_policy_loss
 from slime.arguments import default_args
+from tests.hypothesis_budget import examples
 
 pytestmark = pytest.mark.cpu
 
@@ -28,7 +29,7 @@ F64 = torch.float64
 finite = st.floats(-8.0, 8.0, allow_nan=False)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     tp=st.sampled_from([1, 2, 4]),
     rows=st.integers(0, 6),
@@ -75,7 +76,7 @@ def _ppo_scalar(log_ratio: float, a: float, lo: float, hi: float, c: float | Non
     return pg, 1.0 if clipped > unclipped else 0.0
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     vals=st.lists(st.tuples(finite, finite), min_size=1, max_size=12),
     lo=st.floats(0.01, 0.5),
@@ -94,7 +95,7 @@ def test_policy_loss_matches_scalar_loop(vals, lo, hi, c):
             assert pg[i].item() <= -c * a + 1e-9  # the dual-clip bound holds
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     pairs=st.lists(st.tuples(finite, finite), min_size=1, max_size=10),
     kind=st.sampled_from(["k1", "k2", "k3", "low_var_kl"]),
@@ -133,7 +134,7 @@ def cp_case(draw):
     return resp, prompt, groups, overrides, draw(st.integers(0, 2**31 - 1))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(case=cp_case())
 def test_loss_over_cp_ranks_sums_to_the_unsliced_loss(case):
     resp, prompt, groups, overrides, seed = case
@@ -194,7 +195,7 @@ def test_loss_over_cp_ranks_sums_to_the_unsliced_loss(case):
             torch.testing.assert_close(got, slice_response_for_cp(ref.grad, t, n, 2, r), rtol=1e-10, atol=1e-12)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     layout=st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2), (4, 1)]),
     lengths=st.lists(st.integers(0, 6), min_size=1, max_size=12),

@@ -13,7 +13,7 @@ from sim.fake_megatron import SimulatedWorld, expert_rank_groups, rank_groups
 
 pytestmark = pytest.mark.cpu
 
-N_EXAMPLES = settings().max_examples  # from the profile: 200 under CI=true (tests/property/conftest.py)
+N_EXAMPLES = settings().max_examples  # from the profile: 200 under CI=true (tests/hypothesis_budget.py)
 MAX_WORLD = 64
 DENSE_TOKENS = {
     "tp": "tp",

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from slime.scheduling import build_schedule
 from slime.scheduling.packing import first_fit, karmarkar_karp, split_bins
+from tests.hypothesis_budget import examples
 
 pytestmark = pytest.mark.cpu
 
@@ -42,7 +43,7 @@ def _first_occurrence(group_ids):
     return list(dict.fromkeys(group_ids))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(schedule_case())
 def test_schedule_invariants(case):
     lengths, group_ids, kw = case
@@ -109,7 +110,7 @@ def test_schedule_invariants(case):
     assert sum(sched.num_microbatches) * dp == sum(len(m) for m in sched.micro_batch_indices)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.integers(1, 100), min_size=1, max_size=40), st.integers(1, 150), st.integers(1, 50))
 def test_first_fit_and_split_keep_the_cap(lengths, cap, extra):
     bins = first_fit(lengths, cap)
@@ -124,7 +125,7 @@ def test_first_fit_and_split_keep_the_cap(lengths, cap, extra):
     assert all(b and (sum(lengths[i] for i in b) <= cap or len(b) == 1) for b in split)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.integers(1, 5).flatmap(lambda k: st.tuples(st.just(k), st.integers(1, 6))), st.data())
 def test_karmarkar_karp_equal_counts(kn, data):
     k, per = kn

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from slime.arguments import default_args
 from slime.scheduling import CarryBuffer, build_schedule_from_args
 from slime.utils.types import Sample
+from tests.hypothesis_budget import examples
 
 pytestmark = pytest.mark.cpu
 
@@ -34,7 +35,7 @@ def rollout_sequence(draw):
     return rollouts, dp, args, lengths_seed
 
 
-@settings(max_examples=250, deadline=None)
+@settings(max_examples=examples(250), deadline=None)
 @given(rollout_sequence())
 def test_every_generated_sample_trains_exactly_once(case):
     rollouts, dp, args, seed = case

@@ -14,7 +14,7 @@ from slime.parallel_state import ParallelState
 
 pytestmark = pytest.mark.cpu
 
-N_EXAMPLES = settings().max_examples  # from the profile: 200 under CI=true (tests/property/conftest.py)
+N_EXAMPLES = settings().max_examples  # from the profile: 200 under CI=true (tests/hypothesis_budget.py)
 DIMS = ("tp", "pp", "dp", "cp", "ep", "etp", "dp_cp", "mp", "edp", "tp_dp_cp")
 OPS = ("sum", "max", "min", "avg")
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from slime.algorithms.reducers import sum_of_group_mean
 from slime.scheduling import group_mask_sums
+from tests.hypothesis_budget import examples
 
 pytestmark = pytest.mark.cpu
 
@@ -50,7 +51,7 @@ def split_case(draw):
     return resp, x, m, draw(st.booleans()), draw(st.randoms(use_true_random=False))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(split_case())
 def test_split_equals_unsplit_for_every_k(case):
     resp, x, m, per_token, rnd = case

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slime.agent.trajectory import TurnRecord, merge_turns
+from tests.hypothesis_budget import examples
 
 pytestmark = pytest.mark.cpu
 
@@ -48,7 +49,7 @@ def _stream(seg):
     return tokens, [0] * p + list(seg.loss_mask), [0.0] * p + list(seg.rollout_log_probs)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(chains(drift=False))
 def test_no_drift_every_sampled_token_trained_once(chain) -> None:
     turns, outs, _ = chain
@@ -65,7 +66,7 @@ def test_no_drift_every_sampled_token_trained_once(chain) -> None:
     assert seg.metadata["num_drifts"] == 0
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(chains(drift=True))
 def test_drift_only_exact_context_targets_survive(chain) -> None:
     turns, outs, drifted = chain
@@ -90,7 +91,7 @@ def test_drift_only_exact_context_targets_survive(chain) -> None:
     assert seg.metadata["num_drifts"] == sum(drifted[:-1])
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(chains(drift=False), ids)
 def test_rewritten_prompt_base_starts_a_new_segment(chain, other) -> None:
     turns, outs, _ = chain

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sim.fake_sglang.sampling import filter_probs, sample_batch, sample_one
+from tests.hypothesis_budget import examples
 
 pytestmark = pytest.mark.cpu
 
@@ -55,7 +56,7 @@ def test_same_generator_seed_same_draws():
     assert a[0] == b[0] and len(set(a)) == 1
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     logits=st.lists(st.floats(-5, 5), min_size=2, max_size=12),
     top_p=st.floats(0.05, 1.0),
@@ -77,7 +78,7 @@ def test_filter_probs_is_a_distribution_containing_the_argmax(logits, top_p, top
     assert torch.allclose(ratio, ratio[0].expand_as(ratio), rtol=1e-4)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     rows=st.lists(
         st.tuples(

@@ -17,6 +17,7 @@ from slime.utils.async_utils import run
 from slime.utils.http_utils import find_free_port
 from slime.utils.process import ManagedProcess
 from slime.utils.types import Sample
+from tests.hypothesis_budget import examples
 
 pytestmark = pytest.mark.cpu
 
@@ -43,7 +44,7 @@ def test_call_dynamic_filter_accepts_legacy_bool() -> None:
     assert call_dynamic_filter(lambda a, g, **kw: True, ARGS, group(1.0)).keep
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(size=st.integers(0, 20), n=st.integers(0, 25))
 def test_pop_first_takes_oldest_and_leaves_the_rest(size: int, n: int) -> None:
     buffer = [[Sample(index=i)] for i in range(size)]

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slime.utils.errors import SlimeArgError
+from tests.hypothesis_budget import examples
 
 pytestmark = pytest.mark.cpu
 
@@ -99,7 +100,7 @@ def test_padded_vocab_and_mask():
 # ---------------------------------------------------------------- weight layouts
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     ng=st.integers(1, 4),
     q_per_group=st.integers(1, 3),
@@ -122,7 +123,7 @@ def test_qkv_fusion_layout_and_roundtrip(ng, q_per_group, hn, h, bias):
     assert all(torch.equal(a, b) for a, b in zip(back, (q, k, v), strict=True))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(tp=st.sampled_from([1, 2, 4]), rows_per_rank=st.integers(1, 4), h=st.integers(1, 4))
 def test_fc1_shards_roundtrip(tp, rows_per_rank, h):
     gate, up = torch.randn(tp * rows_per_rank, h), torch.randn(tp * rows_per_rank, h)
@@ -270,7 +271,7 @@ def _shared_batch(data) -> tuple[list[list[int]], list[int]]:
     return samples, plens
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(data=st.data(), pad_multiple=st.sampled_from([1, 4, 8]))
 def test_shared_prompt_packing_round_trips(data, pad_multiple):
     samples, plens = _shared_batch(data)

@@ -14,13 +14,14 @@ from hypothesis import strategies as st
 
 from sim.fake_sglang.mock_router import ROUTING_KEY_HEADER, Router, build_router_app, worker_id_for
 from sim.fake_sglang.testing import launch_fake_sglang
+from tests.hypothesis_budget import examples
 
 pytestmark = pytest.mark.cpu
 
 URLS = [f"http://127.0.0.1:{30000 + i}" for i in range(8)]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     n=st.integers(1, 8),
     keys=st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=30),
@@ -42,7 +43,7 @@ def test_manual_policy_is_sticky_and_moves_only_removed_workers_keys(n, keys, dr
                 assert r.select(k).url != gone
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(n=st.integers(1, 8), rounds=st.integers(1, 5))
 def test_round_robin_is_balanced(n, rounds):
     r = Router("round_robin")

@@ -17,6 +17,7 @@ from slime.ray.train_data import samples_to_train_data
 from slime.rollout.model_scoring import mean_log_probs, response_log_probs, scoring_request
 from slime.utils.errors import SlimeArgError
 from slime.utils.types import Sample, Status
+from tests.hypothesis_budget import examples
 
 pytestmark = pytest.mark.cpu
 
@@ -49,7 +50,7 @@ def _args(**kw):
     return default_args(**{"advantage_estimator": "grpo", "use_opd": True, "opd_type": "sglang", **kw})
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(batch=batches(), coef=st.floats(0.0, 4.0), est=st.sampled_from(["grpo", "reinforce_plus_plus_baseline"]))
 def test_opd_advantages_equal_a_per_token_loop(batch, coef, est):
     plain = compute_advantages_and_returns(default_args(advantage_estimator=est), dict(batch))[0]
@@ -60,7 +61,7 @@ def test_opd_advantages_equal_a_per_token_loop(batch, coef, est):
             assert abs(float(g[j]) - want) < 1e-5 * (1 + abs(want))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(batch=batches(), coef=st.floats(0.0, 4.0))
 def test_teacher_equal_to_student_changes_nothing_exactly(batch, coef):
     batch["teacher_log_probs"] = [x.clone() for x in batch["log_probs"]]
@@ -69,7 +70,7 @@ def test_teacher_equal_to_student_changes_nothing_exactly(batch, coef):
     assert all(torch.equal(a, g) for a, g in zip(plain, got, strict=True))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(batch=batches(), cp=st.integers(1, 4), coef=st.floats(0.0, 2.0))
 def test_opd_on_cp_slices_equals_opd_on_whole_responses(batch, cp, coef):
     whole = apply_opd([torch.zeros(k) for k in batch["response_lengths"]], batch["log_probs"],

@@ -18,6 +18,7 @@ from slime.rollout.rm_hub.math_grader import grade_math, normalize_math_answer
 from slime.rollout.rm_hub.remote import RemoteRMError, remote_rm
 from slime.utils.errors import SlimeArgError
 from slime.utils.types import Sample
+from tests.hypothesis_budget import examples
 
 pytestmark = pytest.mark.cpu
 
@@ -81,7 +82,7 @@ def test_math_grader_rejects_different_answers(response, label):
 _LATEXISH = st.text(alphabet="0123456789.,-+*/^()[]{}=%$ \\abcfrqtxepis", max_size=30)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(_LATEXISH, _LATEXISH)
 def test_math_grader_total_and_reflexive(response, label):
     # A reward function must never raise or hang on model output, and an answer always matches itself.
@@ -110,7 +111,7 @@ def test_last_boxed_answer(text, expected):
     assert last_boxed_answer(text) == expected
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.recursive(st.text(alphabet="abc123+-", max_size=5), lambda inner: inner.map(lambda s: "{" + s + "}")))
 def test_boxed_roundtrip_nested_braces(content):
     assert last_boxed_answer(f"reasoning \\boxed{{0}} final \\boxed{{{content}}} end") == content

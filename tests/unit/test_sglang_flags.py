@@ -27,6 +27,7 @@ from slime.backends.sglang.flags import (
     validate_override_keys,
 )
 from slime.utils.errors import SlimeArgError
+from tests.hypothesis_budget import examples
 
 pytestmark = pytest.mark.cpu
 
@@ -214,7 +215,7 @@ def test_router_pass_through_values():
 _SUFFIX = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(n=st.integers(min_value=0, max_value=10**6), suffix=st.sampled_from(sorted(_SUFFIX)))
 def test_human_readable_int_matches_sglang_rules(n, suffix):
     assert flags._human_int(f"{n}{suffix}") == n * _SUFFIX[suffix]

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slime.utils.types import Sample, Status
+from tests.hypothesis_budget import examples
 
 pytestmark = pytest.mark.cpu
 
@@ -39,7 +40,7 @@ samples = st.builds(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(samples)
 def test_round_trip_through_json(sample):
     d = json.loads(json.dumps(sample.to_dict()))
