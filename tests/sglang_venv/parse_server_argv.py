@@ -3,7 +3,8 @@
 Why a script and not a pytest module: the side venv has SGLang but neither slime nor pytest. The main-venv
 test (tests/unit/test_server_args.py) builds the argv with slime, pipes it here as JSON and asserts on the
 ServerArgs fields printed back. Input (stdin): {"case name": ["python", "-m", "sglang.launch_server", ...]}.
-Output (stdout): {"case name": {"fields": {...}} or {"error": "..."}}.
+Output (stdout): {"case name": {"fields": {...}} or {"error": "..."}}. `--with-snapshot` adds the flag snapshot
+`scripts/gen_sglang_flags.py --stdout` prints, as the string "__snapshot__" (one SGLang import for both tests).
 """
 
 from __future__ import annotations
@@ -48,9 +49,22 @@ def parse(argv: list[str]) -> dict[str, Any]:
     return out
 
 
+def snapshot_text() -> str:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "gen_sglang_flags.py"
+    spec = importlib.util.spec_from_file_location("gen_sglang_flags", path)
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    return gen.dump(gen.build_snapshot())
+
+
 def main() -> int:
     cases = json.load(sys.stdin)
-    result = {name: parse(argv) for name, argv in cases.items()}
+    result: dict[str, Any] = {name: parse(argv) for name, argv in cases.items()}
+    if "--with-snapshot" in sys.argv[1:]:
+        result["__snapshot__"] = snapshot_text()
     sys.stdout.write(json.dumps(result, sort_keys=True))
     return 0
 

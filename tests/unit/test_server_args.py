@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from slime.arguments import build_parser, default_args
+from slime.backends.sglang import flags
 from slime.backends.sglang.server_args import build_server_argv
 from slime.utils.errors import SlimeArgError
 
@@ -160,7 +161,7 @@ def parsed_by_sglang():
         "decode": build_server_argv(args, port=30020, worker_type="decode", overrides={"dp_size": 1}, **common),
     }
     out = subprocess.run(
-        [py, str(ROOT / "tests" / "sglang_venv" / "parse_server_argv.py")],
+        [py, str(ROOT / "tests" / "sglang_venv" / "parse_server_argv.py"), "--with-snapshot"],
         input=json.dumps(cases),
         capture_output=True,
         text=True,
@@ -168,9 +169,19 @@ def parsed_by_sglang():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
+    snapshot = result.pop("__snapshot__")
     for name, r in result.items():
         assert "error" not in r and "from_cli_args_error" not in r, (name, r)
-    return {name: r["fields"] for name, r in result.items()}
+    return {"__snapshot__": snapshot, **{name: r["fields"] for name, r in result.items()}}
+
+
+def test_committed_sglang_snapshot_equals_live_parser(parsed_by_sglang):
+    """The committed flag snapshot is what `scripts/gen_sglang_flags.py --stdout` prints from the live SGLang (run
+    in the same side-venv process as the parses below: SGLang's import is most of either)."""
+    live = parsed_by_sglang["__snapshot__"]
+    committed = (ROOT / "slime" / "backends" / "sglang" / flags.SGLANG_SNAPSHOT).read_text()
+    assert json.loads(live)["version"] == flags.SGLANG_VERSION
+    assert live == committed, "regenerate: .venv-sglang/bin/python scripts/gen_sglang_flags.py"
 
 
 def test_sglang_parses_regular_engine(parsed_by_sglang):

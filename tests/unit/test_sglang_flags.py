@@ -1,11 +1,9 @@
 """`--sglang-*` / `--router-*` pass-through: validated against the committed snapshots, which must equal the
-live parsers (SGLang's in the side venv, the router's in this venv)."""
+live parsers (the router's here; SGLang's in tests/unit/test_server_args.py, which runs the side venv once)."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,18 +32,6 @@ pytestmark = pytest.mark.cpu
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def side_venv_python() -> str:
-    """The SGLang side venv's interpreter; missing is a failure under CI=true (docs/testing.md), a skip locally."""
-    venv = Path(os.environ.get("SLIME_SGLANG_VENV", ROOT / ".venv-sglang"))
-    py = venv / "bin" / "python"
-    if not py.exists():
-        msg = f"SGLang side venv not found at {venv}; create it with `bash ci/sglang_venv.sh`"
-        if os.environ.get("CI") == "true":
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return str(py)
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="slime train", allow_abbrev=False)
     add_sglang_arguments(p)
@@ -69,19 +55,6 @@ def _error(argv: list[str]) -> str:
 
 
 # ---------------------------------------------------------------- snapshots
-
-
-def test_committed_sglang_snapshot_equals_live_parser():
-    out = subprocess.run(
-        [side_venv_python(), str(ROOT / "scripts" / "gen_sglang_flags.py"), "--stdout"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    committed = (ROOT / "slime" / "backends" / "sglang" / flags.SGLANG_SNAPSHOT).read_text()
-    assert json.loads(out.stdout)["version"] == flags.SGLANG_VERSION
-    assert out.stdout == committed, "regenerate: .venv-sglang/bin/python scripts/gen_sglang_flags.py"
 
 
 def test_committed_router_snapshot_equals_live_parser():
