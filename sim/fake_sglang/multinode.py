@@ -48,6 +48,9 @@ class NodeRendezvous:
         self._peers: dict[int, asyncio.StreamWriter] = {}
         self.all_joined = asyncio.Event()
         self._server: asyncio.Server | None = None
+        # the connections' handler tasks: closing cancels them, so none is left pending for the garbage
+        # collector to finish after the loop has gone (its `writer.close()` would then raise, unraisably)
+        self._handlers: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve_peer, host=self.host, port=self.port)
@@ -57,6 +60,9 @@ class NodeRendezvous:
 
     async def _serve_peer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         rank = None
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
         try:
             hello = json.loads(await asyncio.wait_for(reader.readline(), HELLO_TIMEOUT_S))
             rank, nnodes = hello["node_rank"], hello["nnodes"]
@@ -85,6 +91,7 @@ class NodeRendezvous:
                 del self._peers[rank]
                 self.all_joined.clear()
             writer.close()
+            self._handlers.discard(task)
 
     def _refusal(self, rank: object, nnodes: object) -> str | None:
         if nnodes != self.nnodes:
@@ -98,6 +105,10 @@ class NodeRendezvous:
             self._server.close()
         for w in list(self._peers.values()):
             w.close()
+        handlers = [t for t in self._handlers if t is not asyncio.current_task()]
+        for t in handlers:
+            t.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
 

@@ -202,6 +202,9 @@ def test_a_hello_that_waits_too_long_is_asked_again(monkeypatch):
     try:
         asyncio.run(follower())
     finally:
+        asyncio.run_coroutine_threadsafe(rendezvous.close(), loop).result(10)  # no connection handler left pending
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
+        loop.close()
+    assert not rendezvous._handlers
     assert result["joined"] and result["peers"] == [1] and result["follower_alive"], result
