@@ -276,17 +276,29 @@ def test_stop_strings_stop_token_ids_and_request_log(server, ckpt):
     assert all("serialized_named_tensors" not in r.get("body", {}) for r in records)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data())
-def test_kv_cache_gives_the_logits_of_full_recompute(ckpt, data):
-    """Continuous batching with the cache: joins (siblings of one prompt among them), finishes, aborts and
-    retracted-then-resumed requests (whose held tokens no longer match) give the next-token logits of recomputing
-    every sequence, and a weight update drops it."""
+@pytest.fixture(scope="module")
+def cache_pair(ckpt):
+    """Two engines on the checkpoint, one without the KV cache, and their initial weights (loaded once: each
+    example below starts from them with an empty cache)."""
     from sim.fake_sglang.hf_engine import HFEngine
-    from sim.fake_sglang.protocol import GenRequest, SamplingParams
 
     cached, full = (HFEngine(model_path=str(ckpt)) for _ in range(2))
     full.kv_cache = False
+    return cached, full, {k: v.clone() for k, v in cached.model.state_dict().items()}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_kv_cache_gives_the_logits_of_full_recompute(cache_pair, data):
+    """Continuous batching with the cache: joins (siblings of one prompt among them), finishes, aborts and
+    retracted-then-resumed requests (whose held tokens no longer match) give the next-token logits of recomputing
+    every sequence, and a weight update drops it."""
+    from sim.fake_sglang.protocol import GenRequest, SamplingParams
+
+    cached, full, initial = cache_pair
+    for m in (cached.model, full.model):
+        m.load_state_dict(initial)
+    cached._kv = full._kv = None
     running: list[GenRequest] = []
     for step in range(data.draw(st.integers(3, 10), label="steps")):
         running = [r for r in running if not data.draw(st.booleans(), label="leave")]
