@@ -32,6 +32,7 @@ from slime.ray.placement import Placement
 from slime.utils.console import configure_actor
 from slime.utils.http_utils import node_address
 from slime.utils.misc import load_function
+from slime.utils.process import forks_die_with_this_process
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ def hash_train_data(data: dict[str, Any]) -> str:
 class TrainRayActor:
     def __init__(self, args: Namespace, rank: int, world_size: int, role: str = "actor") -> None:
         name = f"train_rank{rank}" if role == "actor" else f"{role}_rank{rank}"
+        forks_die_with_this_process()  # megatron's checkpoint writers must not outlive a killed actor
         self.log_path = configure_actor(args.log_level, args.metrics_dir, name)
         self.args = args
         self.role = role

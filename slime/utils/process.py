@@ -38,6 +38,21 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _killed_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def forks_die_with_this_process() -> None:
+    """Every process this one forks from now on is killed when this one dies.
+
+    Why: megatron's checkpoint writer forks helper processes from the train actor; when the actor is killed in the
+    middle of a save (a preempted job, `--save` under a kill), those forks were left behind for good, blocked on
+    a lock their dead parent held (seen after the kill-during-save test: an orphan `ray::TrainRayActor.save`).
+    SIGKILL, not SIGTERM: a fork inherits the actor's Python signal handlers, which need the dead parent."""
+    os.register_at_fork(after_in_child=_killed_with_parent)
+
+
 def port_is_free(port: int) -> bool:
     """Nothing listens on `port` (any local address) right now."""
     return not any(

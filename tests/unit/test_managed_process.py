@@ -6,9 +6,14 @@ it, the other server answered `/health`, and the run hung talking to a stranger.
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 
 from slime.utils.http_utils import find_free_port
@@ -82,3 +87,44 @@ def test_other_start_failures_are_not_retried() -> None:
     with pytest.raises(RuntimeError, match="exited with code 3") as err:
         start_with_free_port(start, "broken")
     assert len(started) == 1 and not port_conflict(err.value)
+
+
+_FORKER = r"""
+import multiprocessing, os, sys, time
+from slime.utils.process import forks_die_with_this_process
+if sys.argv[1] == "on":
+    forks_die_with_this_process()
+child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), daemon=False)
+child.start()
+print(child.pid, flush=True)
+os.kill(os.getpid(), 9)  # as an actor killed in the middle of a save
+"""
+
+
+@pytest.mark.parametrize("hook", ["on", "off"])
+def test_forks_die_with_the_process_that_forked_them(hook):
+    """A fork of a process that called `forks_die_with_this_process` is killed when that process dies; without
+    the call it outlives it (the negative control: the orphan megatron's checkpoint writer used to leave)."""
+    proc = subprocess.Popen([sys.executable, "-c", _FORKER, hook], stdout=subprocess.PIPE, text=True)
+    pid = int(proc.stdout.readline())  # not to EOF: the fork holds the pipe open while it lives
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    proc.stdout.close()
+
+    def alive() -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    try:
+        if hook == "on":
+            deadline = time.monotonic() + 10
+            while alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not alive()
+        else:
+            time.sleep(1)
+            assert alive()
+    finally:
+        if alive():
+            os.kill(pid, signal.SIGKILL)
