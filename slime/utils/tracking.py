@@ -110,7 +110,13 @@ class Tracker:
             self._tb.close()
             self._tb = None
         if self._wandb is not None:
+            import wandb
+
             self._wandb.finish()
+            # finish() can return before W&B's service process has written the run's last records (an offline
+            # run's file then lacks its history for a moment, or for good if this process ends at once); teardown
+            # waits for the service to exit, so the files are complete when close() returns
+            wandb.teardown()
             self._wandb = None
 
     def __enter__(self) -> Tracker:
