@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import signal
@@ -34,23 +35,31 @@ _PR_SET_PDEATHSIG = 1
 def die_with_parent() -> None:
     """`preexec_fn`: own session (process group), and SIGTERM when the launching process dies (Linux)."""
     os.setsid()
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    _parent_death_signal(signal.SIGTERM)
 
 
-def _killed_with_parent() -> None:
+def _parent_death_signal(sig: int) -> None:
+    """`sig` to this process when the thread that started it ends (Linux; elsewhere nothing)."""
     if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+
+
+_forks_die = False
 
 
 def forks_die_with_this_process() -> None:
-    """Every process this one forks from now on is killed when this one dies.
+    """Every process this one forks from now on is killed when this one dies (once per process; idempotent).
 
     Why: megatron's checkpoint writer forks helper processes from the train actor; when the actor is killed in the
     middle of a save (a preempted job, `--save` under a kill), those forks were left behind for good, blocked on
     a lock their dead parent held (seen after the kill-during-save test: an orphan `ray::TrainRayActor.save`).
-    SIGKILL, not SIGTERM: a fork inherits the actor's Python signal handlers, which need the dead parent."""
-    os.register_at_fork(after_in_child=_killed_with_parent)
+    SIGKILL, not SIGTERM: a fork inherits the actor's Python signal handlers, which need the dead parent.
+    Linux ties the signal to the forking thread: a fork made from a short-lived thread would die with that thread,
+    so this is for processes that fork from long-lived threads (a Ray actor runs its methods on its main thread)."""
+    global _forks_die
+    if not _forks_die:
+        os.register_at_fork(after_in_child=functools.partial(_parent_death_signal, signal.SIGKILL))
+        _forks_die = True
 
 
 def port_is_free(port: int) -> bool:
