@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import functools
 import logging
 import os
 import signal
@@ -45,6 +44,18 @@ def _parent_death_signal(sig: int) -> None:
 
 
 _forks_die = False
+_forking_pid = 0  # set in the parent just before each fork; the child compares its parent with it
+
+
+def _note_forking_pid() -> None:
+    global _forking_pid
+    _forking_pid = os.getpid()
+
+
+def _die_with_forking_process() -> None:
+    _parent_death_signal(signal.SIGKILL)
+    if os.getppid() != _forking_pid:  # the parent died before the signal was armed: it would never come
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def forks_die_with_this_process() -> None:
@@ -58,7 +69,7 @@ def forks_die_with_this_process() -> None:
     so this is for processes that fork from long-lived threads (a Ray actor runs its methods on its main thread)."""
     global _forks_die
     if not _forks_die:
-        os.register_at_fork(after_in_child=functools.partial(_parent_death_signal, signal.SIGKILL))
+        os.register_at_fork(before=_note_forking_pid, after_in_child=_die_with_forking_process)
         _forks_die = True
 
 
