@@ -13,9 +13,10 @@ What it runs (one GPU, megatron-core; no Ray, no router):
    - **host**: as at start-up — the trainer asleep, the weights moved back from its pinned host copy;
 4. the floor: one flat bf16 tensor of the same bytes handed to a second process (pickled as CUDA IPC handles,
    opened there, copied into a buffer of its own, synchronized, acknowledged).
-5. `--parts`: each part of a live sync alone, synchronized, medians: allocating one flat buffer for all the
-   bytes, the grouped copy of the kept views into it, serializing it (IPC handles), posting it to the engine
-   (HTTP + the engine's open, copy and synchronize), and one control call's round trip.
+5. `--parts`: each part of a live sync alone, synchronized, medians (`sync_parts` names them): the tensors read
+   in place (serialized as IPC handles of the trainer's own buffer, posted), the strided rest (allocated, packed,
+   serialized, posted), the engine's own account of each post, one control call's round trip, and for
+   comparison the copy of every tensor into one flat buffer.
 After the syncs it checks every tensor's checksum on the engine against the trainer's. Prints a table with each
 way's median and its ratio to the floor, and writes JSON. A bench, not a test: it never asserts.
 """
@@ -79,58 +80,72 @@ def bare_handoff(numel: int, repeats: int) -> list[float]:
 
 
 def sync_parts(trainer: Any, off: Any, url: str, version: int, repeats: int, request_log: Path) -> dict[str, float]:
-    """Seconds of each part of a live sync on its own (see the module docstring, item 5). `copy_plain`: the same
-    copy from tensors of the same shapes and strides in plain CUDA allocations instead of the trainer's parameters
-    (which live in torch_memory_saver's region); `engine_decode` / `engine_load`: the engine's own account of a post
-    (unpickling, which opens the IPC handle; the copy into its parameters, synchronized)."""
+    """Seconds of each part of a live sync on its own (see the module docstring, item 5), medians:
+    `split`: finding the tensors read in place (`in_place_buckets`); `serialize_in_place` / `post_in_place`: their
+    payload (IPC handles of the trainer's own buffers) and its post; `alloc` / `copy` / `serialize` / `post`: the
+    packed rest (the strided q/k/v views); `copy_all` / `copy_all_plain`: for comparison, every tensor packed into
+    one flat buffer (as syncs did before reading in place), from the trainer's views and from plain CUDA twins of
+    them; `engine_*`: the engine's own account of the posts (`unpickle` opens the IPC handle; `decode` adds the
+    views; `load` is the copy into its parameters, synchronized)."""
     import torch
 
-    from slime.backends.megatron.weight_buckets import flatten, new_buffer
+    from slime.backends.megatron.weight_buckets import flatten, in_place_buckets, new_buffer
     from slime.backends.megatron.weight_sync import serialize
     from slime.backends.sglang.client import SGLangClient, begin_weight_sync, end_weight_sync
 
     off.wake_up()
     off.sleep(keep_weights=True)
-    items = list(trainer.weights_for_sync())
+    items = trainer.weights_for_sync()
     plain = []
     for name, src, shape, dtype in items:
         twin = torch.empty_strided(src.size(), src.stride(), dtype=src.dtype, device=src.device)
         plain.append((name, twin.copy_(src), shape, dtype))
     client = SGLangClient(url)
-    runs: dict[str, list[float]] = {"alloc": [], "copy": [], "copy_plain": [], "serialize": [], "post": [],
-                                    "round_trip": []}  # fmt: skip
+    runs: dict[str, list[float]] = {}
 
     def timed(key: str, fn: Any) -> Any:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         out = fn()
         torch.cuda.synchronize()
-        runs[key].append(time.perf_counter() - t0)
+        runs.setdefault(key, []).append(time.perf_counter() - t0)
         return out
+
+    def post(key: str, payload: str) -> None:
+        nonlocal version
+        begin_weight_sync([client])
+        version += 1
+        timed(key, lambda: client.update_weights_from_tensor([payload], str(version)))
+        end_weight_sync([client])
 
     for _ in range(repeats + 1):
         torch.cuda.empty_cache()
-        buffer = timed("alloc", lambda: new_buffer(items))
-        timed("copy_plain", lambda buffer=buffer, twins=plain: flatten(twins, buffer))
-        flat, meta = timed("copy", lambda buffer=buffer: flatten(items, buffer))
-        payload = timed(
-            "serialize", lambda flat=flat, meta=meta: serialize({"flattened_tensor": flat, "metadata": meta})
-        )
-        begin_weight_sync([client])
-        version += 1
-        timed("post", lambda payload=payload, v=version: client.update_weights_from_tensor([payload], str(v)))
-        end_weight_sync([client])
+        everything = new_buffer(list(items))
+        timed("copy_all_plain", lambda b=everything, twins=plain: flatten(twins, b))
+        timed("copy_all", lambda b=everything: flatten(list(items), b))
+        del everything
+        in_place, rest = timed("split", lambda: in_place_buckets(items))
+        (flat, meta, _), *more = in_place
+        assert not more, "one DDP buffer expected"
+        payload = timed("serialize_in_place", lambda f=flat, m=meta: serialize({"flattened_tensor": f, "metadata": m}))
+        post("post_in_place", payload)
+        buffer = timed("alloc", lambda r=rest: new_buffer(r))
+        flat, meta = timed("copy", lambda b=buffer, r=rest: flatten(r, b))
+        payload = timed("serialize", lambda f=flat, m=meta: serialize({"flattened_tensor": f, "metadata": m}))
+        post("post", payload)
         for _ in range(10):
             timed("round_trip", lambda: client.request("GET", "/get_server_info"))
-        del buffer, flat, payload
+        del buffer, flat, payload, in_place, rest
     client.close()
     del plain
     off.sleep()
     out = {k: median(v[1:] if len(v) > repeats else v) for k, v in runs.items()}
     records = [json.loads(x) for x in request_log.read_text().splitlines() if x.strip()]
-    posts = [r for r in records if r.get("endpoint") == "/update_weights_from_tensor" and "load_s" in r][-repeats:]
-    for key in ("decode_s", "load_s"):
-        out["engine_" + key[:-2]] = median([r[key] for r in posts])
+    posts = [r for r in records if r.get("endpoint") == "/update_weights_from_tensor" and "load_s" in r]
+    for i, way in enumerate(("in_place", "packed")):  # the posts alternate: in place, then the packed rest
+        mine = posts[-2 * repeats :][i::2]
+        for key in ("unpickle_s", "decode_s", "load_s"):
+            out[f"engine_{way}_{key[:-2]}"] = median([r.get(key, 0.0) for r in mine])
     return out
 
 

@@ -376,12 +376,16 @@ def build_app(
 
         async def load() -> None:
             t0 = time.perf_counter()
-            named = await asyncio.to_thread(decode_payload, body["serialized_named_tensors"], body["load_format"])
+            parts: dict[str, float] = {}
+            named = await asyncio.to_thread(
+                decode_payload, body["serialized_named_tensors"], body["load_format"], parts
+            )
             t1 = time.perf_counter()
             request["log"]["tensor_names"] = [n for n, _ in named]
             await engine.load_named_tensors(named)
             # where an update's time goes on this side (the weight-sync bench reads it from the request log)
             request["log"]["decode_s"], request["log"]["load_s"] = t1 - t0, time.perf_counter() - t1
+            request["log"]["unpickle_s"] = parts.get("unpickle", 0.0)
 
         return await _weights_common(request, body, load)
 

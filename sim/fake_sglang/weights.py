@@ -32,6 +32,7 @@ from __future__ import annotations
 import base64
 import io
 import pickle
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,27 +76,58 @@ def _get(m: Any, key: str) -> Any:
     return m[key] if isinstance(m, dict) else getattr(m, key)
 
 
-def decode_payload(serialized: list[str | bytes], load_format: str | None) -> list[tuple[str, torch.Tensor]]:
+def decode_payload(
+    serialized: list[str | bytes], load_format: str | None, seconds: dict[str, float] | None = None
+) -> list[tuple[str, torch.Tensor]]:
     """Receiver side: entry 0 of `serialized_named_tensors` -> list of (name, tensor).
 
     The tensors are views of the sender's memory (shared memory on CPU, a CUDA IPC mapping on GPU), valid until
     the request is answered: the engine copies them into its parameters, once, before it answers (as SGLang's
-    loader does), so no intermediate copy is made here."""
+    loader does), so no intermediate copy is made here. `seconds` (optional) gets the unpickling's share
+    (`unpickle`: it opens the IPC handle) apart from building the views."""
     if not serialized:
         raise ValueError("serialized_named_tensors is empty")
+    t0 = time.perf_counter()
     obj = deserialize(serialized[0])
+    if seconds is not None:
+        seconds["unpickle"] = time.perf_counter() - t0
     if load_format == FLATTENED_BUCKET:
-        flat = obj["flattened_tensor"]
-        out = []
-        for m in obj["metadata"]:
-            t = flat[_get(m, "start_idx") : _get(m, "end_idx")].reshape(tuple(_get(m, "shape")))
-            out.append((_get(m, "name"), t.to(_get(m, "dtype"))))
-        return out
+        return _bucket_views(obj["flattened_tensor"], obj["metadata"])
     if load_format not in (None, "direct"):
         raise ValueError(f"unsupported load_format {load_format!r} (expected null or 'flattened_bucket')")
     if isinstance(obj, dict):
         obj = list(obj.items())
     return [(str(n), t) for n, t in obj]
+
+
+def _bucket_views(flat: torch.Tensor, metadata: list[Any]) -> list[tuple[str, torch.Tensor]]:
+    """`flat[start_idx:end_idx].reshape(shape).to(dtype)` of every entry, the slices cut by one `split` call where
+    the entries do not overlap (a sync sends hundreds: one Python-level slice each is most of the decoding time)
+    — entries may come in any order with gaps between them (a trainer's buffer read in place)."""
+    spans = [(_get(m, "start_idx"), _get(m, "end_idx")) for m in metadata]
+    order = sorted(range(len(spans)), key=lambda i: spans[i][0])
+    sizes, slot, cursor = [], [0] * len(spans), 0
+    for i in order:
+        start, end = spans[i]
+        if start < cursor or end < start or end > flat.numel():
+            parts = None  # overlapping or out of range: slice one by one (slicing reports a bad range itself)
+            break
+        if start > cursor:
+            sizes.append(start - cursor)  # a gap
+        slot[i] = len(sizes)
+        sizes.append(end - start)
+        cursor = end
+    else:
+        if cursor < flat.numel():
+            sizes.append(flat.numel() - cursor)
+        parts = flat.split(sizes) if spans else ()
+    out = []
+    for i, m in enumerate(metadata):
+        t = parts[slot[i]] if parts is not None else flat[spans[i][0] : spans[i][1]]
+        t = t.reshape(tuple(_get(m, "shape")))
+        dtype = _get(m, "dtype")
+        out.append((_get(m, "name"), t if t.dtype == dtype else t.to(dtype)))
+    return out
 
 
 def build_update_body(

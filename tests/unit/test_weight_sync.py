@@ -83,6 +83,43 @@ def test_sync_changes_engine_weights_exactly(ckpt, tmp_path):
     assert seq[last_load + 1 :] == ["/continue_generation"]  # flushed once, while paused, before the loads
 
 
+def test_live_weights_are_read_in_place_and_land_exactly(ckpt):
+    """A `LiveWeights` stream whose storages the engine can read where they lie (here: one shared-memory buffer
+    holding every tensor, gaps between them, as a trainer's DDP buffer holds its params) is sent without packing
+    those tensors; the strided ones (each q_proj a column block of a wider tensor, as q/k/v of a fused QKV are)
+    are packed. The engine ends with exactly the sent values."""
+    from slime.backends.megatron.weight_buckets import LiveWeights
+    from slime.backends.megatron.weight_hash import check_engines, tensor_checksum
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    tied = model.config.tie_word_embeddings  # then a trainer sends no lm_head (the engine ties it itself)
+    named = [(n, p.detach()) for n, p in model.state_dict().items() if not (tied and n == "lm_head.weight")]
+    torch.manual_seed(1)
+    total = sum(t.numel() + 3 for _, t in named)
+    buffer = torch.randn(total).share_memory_()
+    items, cursor = LiveWeights(), 0
+    for name, t in named:
+        if name.endswith("q_proj.weight"):  # strided: the left half of a [rows, 2 * cols] tensor
+            wide = torch.randn(t.shape[0], 2 * t.shape[1])
+            items.append((name, wide[:, : t.shape[1]], t.shape, t.dtype))
+        else:
+            cursor += 3  # a gap, as padding between params in a DDP buffer
+            items.append((name, buffer[cursor : cursor + t.numel()].view(t.shape), t.shape, t.dtype))
+            cursor += t.numel()
+    with launch_fake_sglang(["--engine", "hf", "--model-path", str(ckpt)]) as srv:
+        sync = TensorWeightSync([srv.url], bucket_bytes=64 * 1024)
+        try:
+            stats = sync.sync(items, weight_version=3)
+        finally:
+            sync.close()
+        want = {name: tensor_checksum(src.reshape(shape)) for name, src, shape, _ in items}
+        check_engines([srv.url], want)  # raises WeightMismatch naming the tensors that differ
+    strided = [item for item in items if not item[1].is_contiguous()]
+    assert stats["weight_sync/bytes"] == sum(t.numel() * 4 for _, t in named)
+    # one in-place bucket (the shared buffer) plus the q_proj tensors packed in 64 KiB buckets
+    assert stats["weight_sync/buckets"] == 1 + len(list(buckets_by_dtype(strided, 64 * 1024)))
+
+
 def _sources_worker(rank: int, ckpt: str, out: str, port: int) -> None:
     from slime.arguments import parse_args
     from slime.backends.megatron.offload import TrainOffloader

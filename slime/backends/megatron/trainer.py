@@ -635,22 +635,23 @@ class MegatronTrainer(ModelChunks):
         """What a colocated weight sync sends (`weight_buckets.Item`s): where no gather is needed (TP, EP and ETP of
         one) and the weights are on the GPU, views of the live parameters with their HF names, shapes and the
         engines' dtype, built once and kept — the parameters' storages stay the same objects through sleep and
-        wake-up, so the views stay valid — which takes the conversion code off the sync's path; otherwise
-        `export_hf()`."""
+        wake-up, so the views stay valid — which takes the conversion code off the sync's path (a `LiveWeights`:
+        the sync hands their storages over in place); otherwise `export_hf()`."""
         from slime.backends.megatron.hf_weights import iter_hf_sources, layer_offset
+        from slime.backends.megatron.weight_buckets import LiveWeights
 
         asleep = self.offloader is not None and self.offloader.asleep
         if asleep or any(self.ps.size(d) > 1 for d in ("tp", "ep", "etp")):
             return self.export_hf()
         if self._sync_sources is None:
             dtype = torch.bfloat16 if self.args.bf16 else None
-            self._sync_sources = [
+            self._sync_sources = LiveWeights(
                 (name, src, shape, dtype or src.dtype)
                 for chunk in self.chunks
                 for name, src, shape in iter_hf_sources(
                     unwrap_model(chunk).named_parameters(), self.spec, self.ps, layer_offset(chunk)
                 )
-            ]
+            )
         return self._sync_sources
 
     def export_hf(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -31,7 +31,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.multiprocessing.reductions  # noqa: F401 - registers tensor reductions with ForkingPickler
 
-from slime.backends.megatron.weight_buckets import Item, bucket_nbytes, buckets_by_dtype, flatten, new_buffer
+from slime.backends.megatron.weight_buckets import (
+    Item,
+    LiveWeights,
+    bucket_nbytes,
+    buckets_by_dtype,
+    flatten,
+    in_place_buckets,
+    new_buffer,
+)
 from slime.backends.sglang.client import SGLangClient, begin_weight_sync, end_weight_sync
 
 logger = logging.getLogger(__name__)
@@ -89,7 +97,8 @@ class TensorWeightSync:
 
         Pipelined: a thread converts and packs the buckets (`_produce`) while this one opens the session and posts
         the bucket before, so the engines' work and the HTTP round trips hide the export's. At most two packed
-        buckets wait, so the memory bound stays a few buckets."""
+        buckets wait, so the memory bound stays a few buckets. Views of live weights (`LiveWeights`) go first and
+        are read where they lie (`in_place_buckets`: no copy, no memory); only the strided and cast ones are packed."""
         clients = list(self.clients.values())
         t_start = time.perf_counter()
         seconds = {"export": 0.0, "pack": 0.0, "post": 0.0, "wait": 0.0}
@@ -163,6 +172,17 @@ class TensorWeightSync:
             return False
 
         try:
+            if isinstance(named_tensors, LiveWeights):  # storages the engines may read where they lie: no copy
+                t0 = time.perf_counter()
+                in_place, named_tensors = in_place_buckets(named_tensors)
+                seconds["export"] += time.perf_counter() - t0
+                for flat, meta, nbytes in in_place:
+                    t0 = time.perf_counter()
+                    payload = serialize({"flattened_tensor": flat, "metadata": meta}) if self.groups else None
+                    seconds["pack"] += time.perf_counter() - t0
+                    if not put((nbytes, payload, flat)):
+                        return
+                del in_place
             it = iter(named_tensors)
 
             def timed() -> Iterator[Item]:

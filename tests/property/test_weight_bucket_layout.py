@@ -1,0 +1,92 @@
+"""Weight buckets hand over exactly the sender's values, whichever way each tensor travels.
+
+`flatten` copies strided sources through wider element views (`weight_buckets._wide`) and `in_place_buckets`
+hands whole storages over with metadata pointing into them; the receiver (`sim/fake_sglang/weights.py`) cuts the
+views back out in one `split`. Both must give back the very bits of each source (NaN payloads and signed zeros
+included), for any dtype, slicing and order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sim.fake_sglang.weights import decode_payload
+from slime.backends.megatron.weight_buckets import flatten, in_place_buckets, new_buffer
+from slime.backends.megatron.weight_sync import serialize
+from tests.hypothesis_budget import examples
+
+pytestmark = pytest.mark.cpu
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of `t`, so that NaN == NaN and -0.0 != 0.0."""
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def _random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (int(torch.Size(shape).numel()) * dtype.itemsize,), dtype=torch.uint8, generator=g)
+    return raw.view(dtype).reshape(shape)
+
+
+@st.composite
+def strided_views(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
+    """A non-contiguous view of a random-bits tensor (a column block of a grouped 3-D tensor, as q/k/v of a fused
+    QKV are) and the values it must send."""
+    dtype = draw(st.sampled_from(DTYPES))
+    groups, rows, cols = draw(st.integers(1, 4)), draw(st.integers(2, 6)), draw(st.sampled_from([1, 3, 8, 16, 24]))
+    base = _random_bits((groups, rows, cols), dtype, draw(st.integers(0, 2**31)))
+    a = draw(st.integers(0, rows - 1))
+    b = draw(st.integers(a + 1, rows))
+    view = base[:, a:b]
+    return view, view.contiguous()
+
+
+@settings(max_examples=examples(200))
+@given(st.lists(strided_views(), min_size=1, max_size=6))
+def test_flatten_copies_strided_views_bit_for_bit(views):
+    by_dtype: dict[torch.dtype, list] = {}
+    for i, (view, want) in enumerate(views):
+        by_dtype.setdefault(view.dtype, []).append((f"t{i}", view, want.shape, view.dtype))
+    for bucket in by_dtype.values():
+        flat, meta = flatten(bucket, new_buffer(bucket))
+        for m, (_, view, _, _) in zip(meta, bucket, strict=True):
+            assert torch.equal(_bits(flat[m.start_idx : m.end_idx]), _bits(view))
+
+
+@settings(max_examples=examples(100))
+@given(
+    sizes=st.lists(st.integers(1, 40), min_size=1, max_size=12),
+    gaps=st.lists(st.integers(0, 5), min_size=12, max_size=12),
+    order=st.randoms(use_true_random=False),
+    seed=st.integers(0, 2**31),
+)
+def test_in_place_buckets_decode_to_the_same_bits(sizes, gaps, order, seed):
+    """Tensors laid in one shared storage with gaps, sent in any order: read in place, decoded back exactly; a
+    strided view among them and a tensor in private memory go to the packed rest instead."""
+    offsets, cursor = [], 0
+    for n, gap in zip(sizes, gaps, strict=False):
+        cursor += gap
+        offsets.append(cursor)
+        cursor += n
+    storage = _random_bits((cursor + 7,), torch.bfloat16, seed).share_memory_()
+    items = [(f"p{i}", storage[o : o + n]) for i, (o, n) in enumerate(zip(offsets, sizes, strict=True))]
+    order.shuffle(items)
+    half = (cursor + 7) // 2  # ≥ 4 elements: a strided view, never an empty (contiguous) one
+    strided = ("strided", storage[: 2 * half].view(-1, 2)[:, 0], torch.Size([half]), torch.bfloat16)
+    private = ("private", torch.ones(3, dtype=torch.bfloat16))
+    in_place, rest = in_place_buckets([*items, strided, private])
+    assert [r[0] for r in rest] == ["strided", "private"]
+    assert len(in_place) == 1
+    flat, meta, nbytes = in_place[0]
+    assert flat.untyped_storage().data_ptr() == storage.untyped_storage().data_ptr()  # no copy was made
+    assert nbytes == sum(sizes) * 2
+    got = dict(decode_payload([serialize({"flattened_tensor": flat, "metadata": meta})], "flattened_bucket"))
+    assert list(got) == [n for n, _ in items]
+    for name, t in items:
+        assert torch.equal(_bits(got[name]), _bits(t))
