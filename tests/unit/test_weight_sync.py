@@ -97,7 +97,7 @@ def test_live_weights_are_read_in_place_and_land_exactly(ckpt):
     torch.manual_seed(1)
     total = sum(t.numel() + 3 for _, t in named)
     buffer = torch.randn(total).share_memory_()
-    items, cursor = LiveWeights(), 0
+    items, cursor = LiveWeights(hand_over=True), 0
     for name, t in named:
         if name.endswith("q_proj.weight"):  # strided: the left half of a [rows, 2 * cols] tensor
             wide = torch.randn(t.shape[0], 2 * t.shape[1])
@@ -110,14 +110,17 @@ def test_live_weights_are_read_in_place_and_land_exactly(ckpt):
         sync = TensorWeightSync([srv.url], bucket_bytes=64 * 1024)
         try:
             stats = sync.sync(items, weight_version=3)
+            want = {name: tensor_checksum(src.reshape(shape)) for name, src, shape, _ in items}
+            check_engines([srv.url], want)  # raises WeightMismatch naming the tensors that differ
+            packed_only = sync.sync(LiveWeights(items), weight_version=4)  # not handed over: every tensor packed
         finally:
             sync.close()
-        want = {name: tensor_checksum(src.reshape(shape)) for name, src, shape, _ in items}
-        check_engines([srv.url], want)  # raises WeightMismatch naming the tensors that differ
+        check_engines([srv.url], want)
     strided = [item for item in items if not item[1].is_contiguous()]
     assert stats["weight_sync/bytes"] == sum(t.numel() * 4 for _, t in named)
     # one in-place bucket (the shared buffer) plus the q_proj tensors packed in 64 KiB buckets
     assert stats["weight_sync/buckets"] == 1 + len(list(buckets_by_dtype(strided, 64 * 1024)))
+    assert packed_only["weight_sync/buckets"] == len(list(buckets_by_dtype(items, 64 * 1024)))
 
 
 def _sources_worker(rank: int, ckpt: str, out: str, port: int) -> None:
@@ -150,6 +153,7 @@ def _sources_worker(rank: int, ckpt: str, out: str, port: int) -> None:
             p.add_(0.5)  # a train step changes the weights in place: the kept views must see it
     off.sleep(keep_weights=True)
     res["same_list"] = trainer.weights_for_sync() is sources
+    res["hand_over"] = sources.hand_over  # --colocate offloads: the params are released after every sync
     res["equal_after_change"] = _same(flat_bytes(trainer.weights_for_sync()), dict(trainer.export_hf()))
     off.sleep()  # params released: the sync reads the host copy, through the converting export
     res["asleep_is_export"] = trainer.weights_for_sync() is not sources
@@ -174,7 +178,7 @@ def test_kept_sync_views_send_exactly_what_the_export_sends(ckpt, tmp_path):
     r = json.loads(out.read_text())
     assert r["shapes_differ"] > 0, r
     assert r["equal_export"] and r["same_list"] and r["equal_after_change"] and r["asleep_is_export"], r
-    assert r["equal_after_wake"], r
+    assert r["equal_after_wake"] and r["hand_over"], r
 
 
 def test_a_failed_post_stops_the_packer_thread(ckpt):

@@ -646,11 +646,14 @@ class MegatronTrainer(ModelChunks):
         if self._sync_sources is None:
             dtype = torch.bfloat16 if self.args.bf16 else None
             self._sync_sources = LiveWeights(
-                (name, src, shape, dtype or src.dtype)
-                for chunk in self.chunks
-                for name, src, shape in iter_hf_sources(
-                    unwrap_model(chunk).named_parameters(), self.spec, self.ps, layer_offset(chunk)
-                )
+                (
+                    (name, src, shape, dtype or src.dtype)
+                    for chunk in self.chunks
+                    for name, src, shape in iter_hf_sources(
+                        unwrap_model(chunk).named_parameters(), self.spec, self.ps, layer_offset(chunk)
+                    )
+                ),
+                hand_over=self.offloader is not None and self.offloader.enabled,  # params released after each sync
             )
         return self._sync_sources
 

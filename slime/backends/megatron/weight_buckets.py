@@ -45,8 +45,14 @@ def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
 
 class LiveWeights(list):
     """Items that are views of a trainer's live parameters (`MegatronTrainer.weights_for_sync`), whose storages
-    stay allocated and unchanged until the sync returns: a sync may hand those storages over where they lie
-    (`in_place_buckets`) instead of copying them into buckets."""
+    stay allocated and unchanged until the sync returns. With `hand_over`, a sync hands those storages over where
+    they lie (`in_place_buckets`) instead of copying them into buckets. Set it only where the storages are freed
+    after each sync (the offloader releases the params): torch wraps a CUDA storage in one more layer of its IPC
+    reference counting (a counter slot and an event) at every hand-over, until the storage's memory is freed."""
+
+    def __init__(self, items: Iterable[Item] = (), hand_over: bool = False) -> None:
+        super().__init__(items)
+        self.hand_over = hand_over
 
 
 def shareable_in_place(t: torch.Tensor) -> bool:

@@ -97,8 +97,9 @@ class TensorWeightSync:
 
         Pipelined: a thread converts and packs the buckets (`_produce`) while this one opens the session and posts
         the bucket before, so the engines' work and the HTTP round trips hide the export's. At most two packed
-        buckets wait, so the memory bound stays a few buckets. Views of live weights (`LiveWeights`) go first and
-        are read where they lie (`in_place_buckets`: no copy, no memory); only the strided and cast ones are packed."""
+        buckets wait, so the memory bound stays a few buckets. Live weights handed over (`LiveWeights.hand_over`) go
+        first and are read where they lie (`in_place_buckets`: no copy, no memory); the strided and cast ones are
+        packed."""
         clients = list(self.clients.values())
         t_start = time.perf_counter()
         seconds = {"export": 0.0, "pack": 0.0, "post": 0.0, "wait": 0.0}
@@ -172,7 +173,7 @@ class TensorWeightSync:
             return False
 
         try:
-            if isinstance(named_tensors, LiveWeights):  # storages the engines may read where they lie: no copy
+            if isinstance(named_tensors, LiveWeights) and named_tensors.hand_over:  # read where they lie: no copy
                 t0 = time.perf_counter()
                 in_place, named_tensors = in_place_buckets(named_tensors)
                 seconds["export"] += time.perf_counter() - t0
