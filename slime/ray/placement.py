@@ -8,11 +8,13 @@ GPU k of a multi-node run is the same on every run of the same cluster.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
 import socket
 from argparse import Namespace
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import ray
@@ -69,33 +71,53 @@ def init_ray(args: Namespace) -> None:
         return
     # A cluster of this machine alone: slime's servers bind loopback (slime.utils.http_utils.node_address).
     os.environ[NODE_ADDRESS_ENV] = env[NODE_ADDRESS_ENV] = "127.0.0.1"
-    # Ray pre-starts one idle worker per CPU for the first driver; slime's actors all ask for their own runtime
-    # env and bundles, so those workers sit unused (~1 CPU-s each to start) while the run's own processes start.
+    # Ray pre-starts one idle worker per CPU for the first driver; slime's actors ask for their own bundles (and
+    # some for their own runtime env), so those workers sit unused (~1 CPU-s each to start) while the run's own
+    # processes start.
     os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
-    runtime_env = {"env_vars": env}
     num_bundles, _ = placement_group_size(args)
     has_gpu = cuda_available()
     global _logical_gpus
     _logical_gpus = not has_gpu
-    for attempt in range(2):
-        try:
-            ray.init(
-                address="local",  # a new cluster even if `ray start` left one here (never joined by accident)
-                num_cpus=max(os.cpu_count() or 1, 2) + 2,
-                num_gpus=None if has_gpu else max(num_bundles, 1),
-                include_dashboard=False,
-                runtime_env=runtime_env,
-                object_store_memory=256 * 1024**2,
-                logging_level=_ray_level(args),
-                log_to_driver=True,
-            )
-            return
-        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this one
-            # Ray gives its raylet 30 s (hard-coded) to register; a loaded laptop can miss that once
-            if attempt or "timed out during startup" not in str(e):
-                raise
-            logger.warning("Ray's node did not come up in time (%s); starting it once more", e)
-            ray.shutdown()
+    # The workers get `env` as the environment the cluster's processes inherit from this one, not as a job
+    # runtime_env: with a runtime_env Ray starts every worker through setup_worker.py (a second interpreter that
+    # imports Ray, then execs the worker) after a round trip to its runtime-env agent, ~0.5 CPU-s and ~0.4 s
+    # more per actor. A joined cluster (above) keeps the runtime_env: its nodes were not started from here.
+    with _environ(env):
+        for attempt in range(2):
+            try:
+                ray.init(
+                    address="local",  # a new cluster even if `ray start` left one here (never joined by accident)
+                    num_cpus=max(os.cpu_count() or 1, 2) + 2,
+                    num_gpus=None if has_gpu else max(num_bundles, 1),
+                    include_dashboard=False,
+                    object_store_memory=256 * 1024**2,
+                    logging_level=_ray_level(args),
+                    log_to_driver=True,
+                )
+                return
+            except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this one
+                # Ray gives its raylet 30 s (hard-coded) to register; a loaded laptop can miss that once
+                if attempt or "timed out during startup" not in str(e):
+                    raise
+                logger.warning("Ray's node did not come up in time (%s); starting it once more", e)
+                ray.shutdown()
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]) -> Iterator[None]:
+    """`env` over this process's environment while inside (what the processes started inside inherit), then the
+    environment as it was: the driver itself keeps its own."""
+    before = dict(os.environ)
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k in env:
+            if k in before:
+                os.environ[k] = before[k]
+            else:
+                os.environ.pop(k, None)
 
 
 # True once init_ray started a cluster of this machine alone with logical GPUs (no CUDA here): then every bundle is
