@@ -83,7 +83,8 @@ def sync_parts(trainer: Any, off: Any, url: str, version: int, repeats: int, req
     """Seconds of each part of a live sync on its own (see the module docstring, item 5), medians:
     `split`: finding the tensors read in place (`in_place_buckets`); `serialize_in_place` / `post_in_place`: their
     payload (IPC handles of the trainer's own buffers) and its post; `alloc` / `copy` / `serialize` / `post`: the
-    packed rest (the strided q/k/v views); `copy_all` / `copy_all_plain`: for comparison, every tensor packed into
+    packed rest (the strided q/k/v views; `copy_narrow`: the same copy with 2-byte elements instead of 16-byte
+    ones); `copy_all` / `copy_all_plain`: for comparison, every tensor packed into
     one flat buffer (as syncs did before reading in place), from the trainer's views and from plain CUDA twins of
     them; `engine_*`: the engine's own account of the posts (`unpickle` opens the IPC handle; `decode` adds the
     views; `load` is the copy into its parameters, synchronized)."""
@@ -130,6 +131,7 @@ def sync_parts(trainer: Any, off: Any, url: str, version: int, repeats: int, req
         payload = timed("serialize_in_place", lambda f=flat, m=meta: serialize({"flattened_tensor": f, "metadata": m}))
         post("post_in_place", payload)
         buffer = timed("alloc", lambda r=rest: new_buffer(r))
+        timed("copy_narrow", lambda b=buffer, r=rest: flatten(r, b, wide=False))
         flat, meta = timed("copy", lambda b=buffer, r=rest: flatten(r, b))
         payload = timed("serialize", lambda f=flat, m=meta: serialize({"flattened_tensor": f, "metadata": m}))
         post("post", payload)

@@ -1,6 +1,6 @@
 """Weight buckets hand over exactly the sender's values, whichever way each tensor travels.
 
-`flatten` copies strided sources through wider element views (`weight_buckets._wide`) and `in_place_buckets`
+`flatten` copies strided CUDA sources through wider element views (`weight_buckets.wide_views`) and `in_place_buckets`
 hands whole storages over with metadata pointing into them; the receiver (`sim/fake_sglang/weights.py`) cuts the
 views back out in one `split`. Both must give back the very bits of each source (NaN payloads and signed zeros
 included), for any dtype, slicing and order.
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sim.fake_sglang.weights import decode_payload
-from slime.backends.megatron.weight_buckets import flatten, in_place_buckets, new_buffer
+from slime.backends.megatron.weight_buckets import flatten, in_place_buckets, new_buffer, wide_views
 from slime.backends.megatron.weight_sync import serialize
 from tests.hypothesis_budget import examples
 
@@ -57,6 +57,22 @@ def test_flatten_copies_strided_views_bit_for_bit(views):
         flat, meta = flatten(bucket, new_buffer(bucket))
         for m, (_, view, _, _) in zip(meta, bucket, strict=True):
             assert torch.equal(_bits(flat[m.start_idx : m.end_idx]), _bits(view))
+
+
+@settings(max_examples=examples(200))
+@given(strided_views())
+def test_wide_views_copy_the_same_bits(view_and_values):
+    """The views `flatten` copies strided CUDA sources through (on the host here: the view logic is the same):
+    the copy between them gives back the source's bits, and rows of 16 aligned bytes are copied as 16-byte
+    elements."""
+    view, _ = view_and_values
+    slot = torch.empty(view.shape, dtype=view.dtype)
+    dst, src = wide_views(slot, view)
+    dst.copy_(src)
+    assert torch.equal(_bits(slot), _bits(view))
+    size = view.dtype.itemsize
+    aligned = all((n * size) % 16 == 0 for n in (view.size(-1), view.stride(0), view.stride(1), view.storage_offset()))
+    assert (dst.dtype == torch.complex128) == (aligned and size < 16), (view.shape, view.stride(), dst.dtype)
 
 
 @settings(max_examples=examples(100))

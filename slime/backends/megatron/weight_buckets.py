@@ -119,12 +119,15 @@ def _metadata_class() -> type:
     return cls
 
 
-def flatten(bucket: list[Item], buffer: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Any]]:
+def flatten(
+    bucket: list[Item], buffer: torch.Tensor | None = None, wide: bool = True
+) -> tuple[torch.Tensor, list[Any]]:
     """One 1-D tensor of the bucket's dtype holding every tensor back to back, and where each one lies.
 
     `buffer` (1-D, the bucket's dtype and device, large enough): the tensors are copied into its head, which is
     returned — one copy per tensor straight into its slot, strided views and dtype casts included (no
-    intermediate copies), and no new allocation per bucket. Without it a new tensor is made."""
+    intermediate copies), and no new allocation per bucket. Without it a new tensor is made. `wide`: strided CUDA
+    sources are copied as wider elements (`_wide`); False copies them as they are (the bench compares both)."""
     specs = [_spec(item) for item in bucket]
     meta, start, cls = [], 0, _metadata_class()
     for name, _, shape, dtype in specs:
@@ -135,9 +138,10 @@ def flatten(bucket: list[Item], buffer: torch.Tensor | None = None) -> tuple[tor
         return torch.cat([t.detach().reshape(-1).to(dtype) for _, t, _, _ in specs]), meta
     flat = buffer[:start]
     pairs = [
-        _wide(flat[m.start_idx : m.end_idx].view(t.shape), t.detach())
-        for m, (_, t, _, _) in zip(meta, specs, strict=True)
+        (flat[m.start_idx : m.end_idx].view(t.shape), t.detach()) for m, (_, t, _, _) in zip(meta, specs, strict=True)
     ]
+    if wide:
+        pairs = [_wide(d, t) for d, t in pairs]
     torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])  # one grouped launch, not one per tensor
     return flat, meta
 
@@ -146,17 +150,27 @@ _WIDE = (torch.complex128, torch.int64, torch.int32)  # 16, 8 and 4 bytes: views
 
 
 def _wide(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(dst, src)` seen as fewer, wider elements where both allow it: torch copies a strided source one element
-    per thread, so 2-byte elements (q/k/v views of a fused bf16 QKV) move at a fraction of the memory bandwidth;
-    16-byte elements of the same bytes copy the same bits. Contiguous sources and casts are left as they are."""
-    if src.is_contiguous() or src.dtype != dst.dtype or src.is_complex():
+    """`wide_views` for strided CUDA sources: torch's CUDA copy of a strided source moves one element per thread,
+    so 2-byte elements (q/k/v views of a fused bf16 QKV) move at a fraction of the memory bandwidth. Contiguous
+    sources, casts and host tensors (whose copy already vectorizes a contiguous last dimension, and slows down as
+    complex numbers) stay as they are."""
+    if not src.is_cuda or src.is_contiguous() or src.dtype != dst.dtype:
+        return dst, src
+    return wide_views(dst, src)
+
+
+def wide_views(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(dst, src)` of one dtype seen as the widest elements (16, 8 or 4 bytes) both allow — the same bytes, so a
+    copy between the views copies the same bits — or as they are where none fits (a last dimension not divisible,
+    an offset or stride not aligned to the wider element)."""
+    if src.is_complex():
         return dst, src
     for wide in _WIDE:
         if wide.itemsize <= src.dtype.itemsize:
             continue
         try:
             return dst.view(wide), src.view(wide)
-        except RuntimeError:  # last dim not divisible, or an offset or stride not aligned to the wider element
+        except RuntimeError:
             continue
     return dst, src
 
