@@ -385,7 +385,10 @@ def build_app(
             await engine.load_named_tensors(named)
             # where an update's time goes on this side (the weight-sync bench reads it from the request log)
             request["log"]["decode_s"], request["log"]["load_s"] = t1 - t0, time.perf_counter() - t1
-            request["log"]["unpickle_s"] = parts.get("unpickle", 0.0)
+            request["log"]["unpickle_s"], request["log"]["views_s"] = (
+                parts.get("unpickle", 0.0),
+                parts.get("views", 0.0),
+            )
 
         return await _weights_common(request, body, load)
 

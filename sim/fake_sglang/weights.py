@@ -92,7 +92,10 @@ def decode_payload(
     if seconds is not None:
         seconds["unpickle"] = time.perf_counter() - t0
     if load_format == FLATTENED_BUCKET:
-        return _bucket_views(obj["flattened_tensor"], obj["metadata"])
+        views = _bucket_views(obj["flattened_tensor"], obj["metadata"])
+        if seconds is not None:
+            seconds["views"] = time.perf_counter() - t0 - seconds["unpickle"]
+        return views
     if load_format not in (None, "direct"):
         raise ValueError(f"unsupported load_format {load_format!r} (expected null or 'flattened_bucket')")
     if isinstance(obj, dict):
@@ -104,12 +107,12 @@ def _bucket_views(flat: torch.Tensor, metadata: list[Any]) -> list[tuple[str, to
     """`flat[start_idx:end_idx].reshape(shape).to(dtype)` of every entry, the slices cut by one `split` call where
     the entries do not overlap (a sync sends hundreds: one Python-level slice each is most of the decoding time)
     — entries may come in any order with gaps between them (a trainer's buffer read in place)."""
-    spans = [(_get(m, "start_idx"), _get(m, "end_idx")) for m in metadata]
-    order = sorted(range(len(spans)), key=lambda i: spans[i][0])
-    sizes, slot, cursor = [], [0] * len(spans), 0
+    fields = [_fields(m) for m in metadata]
+    order = sorted(range(len(fields)), key=lambda i: fields[i][1])
+    sizes, slot, cursor, numel = [], [0] * len(fields), 0, flat.numel()
     for i in order:
-        start, end = spans[i]
-        if start < cursor or end < start or end > flat.numel():
+        _, start, end, _, _ = fields[i]
+        if start < cursor or end < start or end > numel:
             parts = None  # overlapping or out of range: slice one by one (slicing reports a bad range itself)
             break
         if start > cursor:
@@ -118,16 +121,20 @@ def _bucket_views(flat: torch.Tensor, metadata: list[Any]) -> list[tuple[str, to
         sizes.append(end - start)
         cursor = end
     else:
-        if cursor < flat.numel():
-            sizes.append(flat.numel() - cursor)
-        parts = flat.split(sizes) if spans else ()
+        if cursor < numel:
+            sizes.append(numel - cursor)
+        parts = flat.split(sizes) if fields else ()
     out = []
-    for i, m in enumerate(metadata):
-        t = parts[slot[i]] if parts is not None else flat[spans[i][0] : spans[i][1]]
-        t = t.reshape(tuple(_get(m, "shape")))
-        dtype = _get(m, "dtype")
-        out.append((_get(m, "name"), t if t.dtype == dtype else t.to(dtype)))
+    for i, (name, start, end, shape, dtype) in enumerate(fields):
+        t = (parts[slot[i]] if parts is not None else flat[start:end]).view(shape)
+        out.append((name, t if t.dtype == dtype else t.to(dtype)))
     return out
+
+
+def _fields(m: Any) -> tuple[str, int, int, tuple[int, ...], torch.dtype]:
+    if isinstance(m, dict):
+        return m["name"], m["start_idx"], m["end_idx"], tuple(m["shape"]), m["dtype"]
+    return m.name, m.start_idx, m.end_idx, tuple(m.shape), m.dtype
 
 
 def build_update_body(
