@@ -24,7 +24,6 @@ way's median and its ratio to the floor, and writes JSON. A bench, not a test: i
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import multiprocessing.connection
 import pickle
@@ -35,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from bench.gpu_trainer import SHAPES, bench_setup, log, median, write_json
-from slime.backends.megatron.weight_buckets import STRIDED_COPIES
 
 
 def _receiver(conn: multiprocessing.connection.Connection, numel: int) -> None:
@@ -85,8 +83,7 @@ def sync_parts(trainer: Any, off: Any, url: str, version: int, repeats: int, req
     """Seconds of each part of a live sync on its own (see the module docstring, item 5), medians:
     `split`: finding the tensors read in place (`in_place_buckets`); `serialize_in_place` / `post_in_place`: their
     payload (IPC handles of the trainer's own buffers) and its post; `alloc` / `copy` / `serialize` / `post`: the
-    packed rest (the strided q/k/v views, gathered as whole rows; `copy_plain_elements` / `copy_wide_elements`:
-    the same copy elementwise with 2-byte / 16-byte elements); `copy_all` / `copy_all_plain`: for comparison, every tensor packed into
+    packed rest (the strided q/k/v views); `copy_all` / `copy_all_plain`: for comparison, every tensor packed into
     one flat buffer (as syncs did before reading in place), from the trainer's views and from plain CUDA twins of
     them; `engine_*`: the engine's own account of the posts (`unpickle` opens the IPC handle; `views` cuts the
     tensors out; `decode` is both plus the hop to its worker thread; `load` is the copy into its parameters,
@@ -134,8 +131,6 @@ def sync_parts(trainer: Any, off: Any, url: str, version: int, repeats: int, req
         payload = timed("serialize_in_place", lambda f=flat, m=meta: serialize({"flattened_tensor": f, "metadata": m}))
         post("post_in_place", payload)
         buffer = timed("alloc", lambda r=rest: new_buffer(r))
-        timed("copy_plain_elements", lambda b=buffer, r=rest: flatten(r, b, "plain"))
-        timed("copy_wide_elements", lambda b=buffer, r=rest: flatten(r, b, "wide"))
         flat, meta = timed("copy", lambda b=buffer, r=rest: flatten(r, b))
         payload = timed("serialize", lambda f=flat, m=meta: serialize({"flattened_tensor": f, "metadata": m}))
         post("post", payload)
@@ -165,8 +160,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--bucket-mb", type=int, nargs="+", default=None, help="--update-weight-buffer-size values in MiB")
     p.add_argument("--parts", action="store_true", help="also time each part of a live sync alone")
-    p.add_argument("--strided", nargs="+", default=["rows"], choices=STRIDED_COPIES,
-                   help="how the strided q/k/v views are packed (weight_buckets.flatten), each measured in turn")  # fmt: skip
     p.add_argument("--work", default=None, help="where the checkpoint is built (reused when present)")
     p.add_argument("--out", default="bench/results/gpu_weight_sync.json")
     a = p.parse_args(argv)
@@ -183,9 +176,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     res["by_bucket"] = {}
     version = 0
     with launch_fake_sglang(engine_args, timeout=600) as eng:
-        for bucket, strided in itertools.product(sizes, a.strided):
+        for bucket in sizes:
             sync = TensorWeightSync([eng.url], bucket)
-            sync.strided = strided
             runs: dict[str, list[dict[str, float]]] = {"live": [], "host": []}
             release: list[float] = []
             for i in range(a.repeats + 1):  # the first of each way opens connections and warms the allocator
@@ -205,15 +197,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if i:
                     runs["host"].append(h)
                 log(
-                    f"buckets of {bucket / 2**20:.0f} MiB, {strided} copies, sync {i}: live {m['total_s']:.4f}s "
-                    f"host {h['total_s']:.4f}s"
+                    f"buckets of {bucket / 2**20:.0f} MiB, sync {i}: live {m['total_s']:.4f}s host {h['total_s']:.4f}s"
                 )
             sync.close()
             entry: dict[str, Any] = {"release_weights_s": median(release)}
             for way, ms in runs.items():
                 entry[way] = {k: median([m[k] for m in ms]) for k in ms[0]}
                 entry[way]["all_total_s"] = [m["total_s"] for m in ms]
-            res["by_bucket"][f"{bucket}:{strided}"] = entry
+            res["by_bucket"][str(bucket)] = entry
             res["bytes"] = int(runs["live"][0]["weight_sync/bytes"])
             write_json(a.out, res)
         if a.parts:
@@ -246,12 +237,11 @@ def report(res: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
         f"| bare IPC hand-off (floor) | {gb * 1e9 / 2**20:.0f} | {floor:.4f} | {gb / floor:.0f} | 1.00 | | | | | | 1 |",
     ]
-    for key, entry in res["by_bucket"].items():
-        bucket, strided = key.split(":")
+    for bucket, entry in res["by_bucket"].items():
         for way, label in (("live", "live GPU weights (after a train call)"), ("host", "pinned host copy (asleep)")):
             r = entry[way]
             lines.append(
-                f"| {label}, {strided} copies | {int(bucket) / 2**20:.0f} | {r['total_s']:.4f} | {gb / r['total_s']:.0f} | "
+                f"| {label} | {int(bucket) / 2**20:.0f} | {r['total_s']:.4f} | {gb / r['total_s']:.0f} | "
                 f"{r['total_s'] / floor:.2f} | {r['weight_sync/export_s']:.4f} | {r['weight_sync/pack_s']:.4f} | "
                 f"{r['weight_sync/post_s']:.4f} | {r.get('weight_sync/wait_s', 0.0):.4f} | "
                 f"{r['weight_sync/session_s']:.4f} | {r['weight_sync/buckets']:.0f} |"

@@ -1,7 +1,7 @@
 """Weight buckets hand over exactly the sender's values, whichever way each tensor travels.
 
-`flatten` copies strided CUDA sources through wider element views (`weight_buckets.wide_views`) and `in_place_buckets`
-hands whole storages over with metadata pointing into them; the receiver (`sim/fake_sglang/weights.py`) cuts the
+`flatten` copies strided sources into a flat bucket and `in_place_buckets` hands whole storages over with
+metadata pointing into them; the receiver (`sim/fake_sglang/weights.py`) cuts the
 views back out in one `split`. Both must give back the very bits of each source (NaN payloads and signed zeros
 included), for any dtype, slicing and order.
 """
@@ -14,8 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sim.fake_sglang.weights import decode_payload
-from slime.backends.megatron.hf_weights import qkv_views
-from slime.backends.megatron.weight_buckets import flatten, in_place_buckets, new_buffer, row_runs, wide_views
+from slime.backends.megatron.weight_buckets import flatten, in_place_buckets, new_buffer
 from slime.backends.megatron.weight_sync import serialize
 from tests.hypothesis_budget import examples
 
@@ -58,51 +57,6 @@ def test_flatten_copies_strided_views_bit_for_bit(views):
         flat, meta = flatten(bucket, new_buffer(bucket))
         for m, (_, view, _, _) in zip(meta, bucket, strict=True):
             assert torch.equal(_bits(flat[m.start_idx : m.end_idx]), _bits(view))
-
-
-@settings(max_examples=examples(200))
-@given(strided_views())
-def test_wide_views_copy_the_same_bits(view_and_values):
-    """The views `flatten` copies strided CUDA sources through (on the host here: the view logic is the same):
-    the copy between them gives back the source's bits, and rows of 16 aligned bytes are copied as 16-byte
-    elements."""
-    view, _ = view_and_values
-    slot = torch.empty(view.shape, dtype=view.dtype)
-    dst, src = wide_views(slot, view)
-    dst.copy_(src)
-    assert torch.equal(_bits(slot), _bits(view))
-    size = view.dtype.itemsize
-    aligned = all((n * size) % 16 == 0 for n in (view.size(-1), view.stride(0), view.stride(1), view.storage_offset()))
-    assert (dst.dtype == torch.complex128) == (aligned and size < 16), (view.shape, view.stride(), dst.dtype)
-
-
-@settings(max_examples=examples(200))
-@given(
-    groups=st.integers(1, 4),
-    heads_per_group=st.integers(1, 3),
-    head_dim=st.integers(1, 5),
-    tail=st.sampled_from([(), (1,), (3,), (8,)]),
-    lead=st.integers(0, 2),
-    seed=st.integers(0, 2**31),
-)
-def test_row_runs_gather_qkv_back_to_back(groups, heads_per_group, head_dim, tail, lead, seed):
-    """The gather `flatten` runs for q, k and v of a fused QKV on CUDA (on the host here: the same index and
-    rows): one run covering the three views, its rows in the order of their slots, so one `index_select` lays
-    them out as three contiguous copies would. Unrelated tensors before it are left to the ordinary copy."""
-    rows = groups * (heads_per_group + 2) * head_dim
-    qkv = _random_bits((rows, *tail), torch.bfloat16, seed)
-    views = qkv_views(qkv, groups, groups * heads_per_group, head_dim)
-    others = [_random_bits((4, 2), torch.bfloat16, seed + 1)[:, :1] for _ in range(lead)]  # strided, no run
-    tensors = others + [t for t, _ in views]
-    runs = list(row_runs(tensors, [torch.bfloat16] * len(tensors)))
-    if groups == 1:  # one group: q, k and v are contiguous slices, copied as they are
-        assert runs == [] and all(t.is_contiguous() for t, _ in views)
-        return
-    assert [(first, last) for first, last, _, _ in runs] == [(lead, lead + 2)]
-    _, _, src_rows, index = runs[0]
-    got = torch.index_select(src_rows, 0, index)
-    want = torch.cat([t.reshape(-1) for t, _ in views])
-    assert torch.equal(_bits(got), _bits(want))
 
 
 @settings(max_examples=examples(100))

@@ -119,24 +119,12 @@ def _metadata_class() -> type:
     return cls
 
 
-STRIDED_COPIES = ("rows", "wide", "plain")
-
-
-def flatten(
-    bucket: list[Item], buffer: torch.Tensor | None = None, strided: str = "rows"
-) -> tuple[torch.Tensor, list[Any]]:
+def flatten(bucket: list[Item], buffer: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Any]]:
     """One 1-D tensor of the bucket's dtype holding every tensor back to back, and where each one lies.
 
     `buffer` (1-D, the bucket's dtype and device, large enough): the tensors are copied into its head, which is
     returned — one copy per tensor straight into its slot, strided views and dtype casts included (no
-    intermediate copies), and no new allocation per bucket. Without it a new tensor is made.
-
-    `strided`, how strided CUDA sources are copied (torch's elementwise copy of a strided source runs at a fraction
-    of the memory bandwidth; the weight-sync bench compares the three): "rows" gathers each run of row-slices of
-    one grouped tensor (q, k and v of a fused QKV) with one `index_select` of whole rows (`row_runs`); "wide"
-    copies them as 16-byte elements (`wide_views`); "plain" as they are. On the host they are copied as they are."""
-    if strided not in STRIDED_COPIES:
-        raise ValueError(f"strided={strided!r}: expected one of {STRIDED_COPIES}")
+    intermediate copies), and no new allocation per bucket. Without it a new tensor is made."""
     specs = [_spec(item) for item in bucket]
     meta, start, cls = [], 0, _metadata_class()
     for name, _, shape, dtype in specs:
@@ -146,103 +134,9 @@ def flatten(
         dtype = specs[0][3]
         return torch.cat([t.detach().reshape(-1).to(dtype) for _, t, _, _ in specs]), meta
     flat = buffer[:start]
-    done: set[int] = set()
-    if strided == "rows" and flat.is_cuda:
-        for first, last, rows, index in row_runs([t for _, t, _, _ in specs], [d for *_, d in specs]):
-            out = flat[meta[first].start_idx : meta[last].end_idx].view(index.numel(), -1)
-            torch.index_select(rows, 0, index, out=out)
-            done.update(range(first, last + 1))
-    pairs = [
-        (flat[m.start_idx : m.end_idx].view(t.shape), t.detach())
-        for i, (m, (_, t, _, _)) in enumerate(zip(meta, specs, strict=True))
-        if i not in done
-    ]
-    if strided == "wide":
-        pairs = [_wide(d, t) for d, t in pairs]
-    if pairs:
-        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])  # one grouped launch, not one per tensor
+    slots = [flat[m.start_idx : m.end_idx].view(t.shape) for m, (_, t, _, _) in zip(meta, specs, strict=True)]
+    torch._foreach_copy_(slots, [t.detach() for _, t, _, _ in specs])  # one grouped launch, not one per tensor
     return flat, meta
-
-
-def row_runs(
-    tensors: list[torch.Tensor], dtypes: list[torch.dtype]
-) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
-    """Runs of consecutive tensors that together are every row-slice of one grouped tensor, in order — `t_i =
-    G[:, a_i:b_i]` for `G` of shape [groups, R, ...] with `a_0 = 0`, `a_{i+1} = b_i`, `b_last = R`, as `qkv_views`
-    makes q, k and v — as (first, last, G's rows as a [groups * R, row] tensor, the row indices that lay the run
-    out back to back). Why: the run is then one gather of whole rows (kilobytes each) instead of elementwise
-    strided copies."""
-    i = 0
-    while i < len(tensors):
-        t = tensors[i]
-        if t.is_contiguous() or t.dim() < 2 or t.dtype != dtypes[i]:
-            i += 1
-            continue
-        groups, row = t.shape[0], t[0, 0].numel()
-        if row == 0 or t.stride(1) != row or not t[0, 0].is_contiguous():
-            i += 1
-            continue
-        group_stride, base, storage = t.stride(0), t.storage_offset(), t.untyped_storage().data_ptr()
-        bounds, j, cursor = [], i, base
-        while j < len(tensors):
-            u = tensors[j]
-            same = (
-                u.dim() == t.dim()
-                and u.dtype == t.dtype == dtypes[j]
-                and u.untyped_storage().data_ptr() == storage
-                and u.shape[0] == groups
-                and u.stride()[:2] == (group_stride, row)
-                and u[0, 0].numel() == row
-                and u.storage_offset() == cursor
-            )
-            if not same:
-                break
-            bounds.append(((cursor - base) // row, (cursor - base) // row + u.shape[1]))
-            cursor += u.shape[1] * row
-            j += 1
-        if cursor - base == group_stride and j - i > 1:  # the run covers every row of each group
-            per_group = group_stride // row
-            rows = t.as_strided((groups * per_group, row), (row, 1), base)
-            yield i, j - 1, rows, _row_index(groups, per_group, tuple(bounds), t.device)
-            i = j
-        else:
-            i += 1
-
-
-@functools.lru_cache(maxsize=64)
-def _row_index(groups: int, per_group: int, bounds: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tensor:
-    """Row indices into [groups * per_group] rows: for each (a, b) in turn, rows a..b-1 of every group."""
-    idx = [g * per_group + r for a, b in bounds for g in range(groups) for r in range(a, b)]
-    return torch.tensor(idx, dtype=torch.long, device=device)
-
-
-_WIDE = (torch.complex128, torch.int64, torch.int32)  # 16, 8 and 4 bytes: views only, the bits never change
-
-
-def _wide(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`wide_views` for strided CUDA sources: torch's CUDA copy of a strided source moves one element per thread,
-    so 2-byte elements (q/k/v views of a fused bf16 QKV) move at a fraction of the memory bandwidth. Contiguous
-    sources, casts and host tensors (whose copy already vectorizes a contiguous last dimension, and slows down as
-    complex numbers) stay as they are."""
-    if not src.is_cuda or src.is_contiguous() or src.dtype != dst.dtype:
-        return dst, src
-    return wide_views(dst, src)
-
-
-def wide_views(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(dst, src)` of one dtype seen as the widest elements (16, 8 or 4 bytes) both allow — the same bytes, so a
-    copy between the views copies the same bits — or as they are where none fits (a last dimension not divisible,
-    an offset or stride not aligned to the wider element)."""
-    if src.is_complex():
-        return dst, src
-    for wide in _WIDE:
-        if wide.itemsize <= src.dtype.itemsize:
-            continue
-        try:
-            return dst.view(wide), src.view(wide)
-        except RuntimeError:
-            continue
-    return dst, src
 
 
 def bucket_nbytes(bucket: list[Item]) -> int:

@@ -77,7 +77,6 @@ class TensorWeightSync:
         engines = [ColocatedEngine(e, 0, 1) if isinstance(e, str) else e for e in engines]
         self.engines = engines
         self.bucket_bytes = bucket_bytes
-        self.strided = "rows"  # how strided sources are packed (`weight_buckets.flatten`; the bench compares)
         self.groups: dict[ColocatedEngine, Any] = {}
         for e in engines:  # every rank creates every group, in the same order (a collective)
             ranks = e.ranks(self.world_size)
@@ -201,7 +200,7 @@ class TensorWeightSync:
                 # a new buffer per bucket, never a reused one: torch keeps a block shared over CUDA IPC out of its
                 # allocator's reach until the engine has let go of it, whatever the engine's stream is still doing
                 buffer = new_buffer(bucket)
-                flat, meta = flatten(bucket, buffer, self.strided)
+                flat, meta = flatten(bucket, buffer)
                 payload = serialize({"flattened_tensor": flat, "metadata": meta}) if self.groups else None
                 seconds["pack"] += time.perf_counter() - t0
                 nbytes = bucket_nbytes(bucket)
