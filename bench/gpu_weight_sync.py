@@ -24,7 +24,6 @@ way's median and its ratio to the floor, and writes JSON. A bench, not a test: i
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import multiprocessing.connection
 import pickle
@@ -161,8 +160,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--bucket-mb", type=int, nargs="+", default=None, help="--update-weight-buffer-size values in MiB")
     p.add_argument("--parts", action="store_true", help="also time each part of a live sync alone")
-    p.add_argument("--variants", nargs="+", default=["default"], choices=["default", "sequential"],
-                   help="sequential: one post at a time and Python's default GIL switch interval (as before)")  # fmt: skip
     p.add_argument("--work", default=None, help="where the checkpoint is built (reused when present)")
     p.add_argument("--out", default="bench/results/gpu_weight_sync.json")
     a = p.parse_args(argv)
@@ -179,10 +176,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     res["by_bucket"] = {}
     version = 0
     with launch_fake_sglang(engine_args, timeout=600) as eng:
-        for bucket, variant in itertools.product(sizes, a.variants):
+        for bucket in sizes:
             sync = TensorWeightSync([eng.url], bucket)
-            if variant == "sequential":
-                sync.concurrent_posts, sync.switch_interval = False, None
             runs: dict[str, list[dict[str, float]]] = {"live": [], "host": []}
             release: list[float] = []
             for i in range(a.repeats + 1):  # the first of each way opens connections and warms the allocator
@@ -202,15 +197,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if i:
                     runs["host"].append(h)
                 log(
-                    f"buckets of {bucket / 2**20:.0f} MiB, {variant}, sync {i}: live {m['total_s']:.4f}s "
-                    f"host {h['total_s']:.4f}s"
+                    f"buckets of {bucket / 2**20:.0f} MiB, sync {i}: live {m['total_s']:.4f}s host {h['total_s']:.4f}s"
                 )
             sync.close()
             entry: dict[str, Any] = {"release_weights_s": median(release)}
             for way, ms in runs.items():
                 entry[way] = {k: median([m[k] for m in ms]) for k in ms[0]}
                 entry[way]["all_total_s"] = [m["total_s"] for m in ms]
-            res["by_bucket"][f"{bucket}:{variant}"] = entry
+            res["by_bucket"][str(bucket)] = entry
             res["bytes"] = int(runs["live"][0]["weight_sync/bytes"])
             write_json(a.out, res)
         if a.parts:
@@ -243,12 +237,11 @@ def report(res: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
         f"| bare IPC hand-off (floor) | {gb * 1e9 / 2**20:.0f} | {floor:.4f} | {gb / floor:.0f} | 1.00 | | | | | | 1 |",
     ]
-    for key, entry in res["by_bucket"].items():
-        bucket, variant = key.split(":")
+    for bucket, entry in res["by_bucket"].items():
         for way, label in (("live", "live GPU weights (after a train call)"), ("host", "pinned host copy (asleep)")):
             r = entry[way]
             lines.append(
-                f"| {label}, {variant} | {int(bucket) / 2**20:.0f} | {r['total_s']:.4f} | {gb / r['total_s']:.0f} | "
+                f"| {label} | {int(bucket) / 2**20:.0f} | {r['total_s']:.4f} | {gb / r['total_s']:.0f} | "
                 f"{r['total_s'] / floor:.2f} | {r['weight_sync/export_s']:.4f} | {r['weight_sync/pack_s']:.4f} | "
                 f"{r['weight_sync/post_s']:.4f} | {r.get('weight_sync/wait_s', 0.0):.4f} | "
                 f"{r['weight_sync/session_s']:.4f} | {r['weight_sync/buckets']:.0f} |"

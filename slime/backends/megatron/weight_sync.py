@@ -22,7 +22,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -85,22 +84,11 @@ class TensorWeightSync:
             if self.rank in ranks:
                 self.groups[e] = group
         self.clients = {e: SGLangClient(e.url) for e in engines if self._leads(e)}
-        # Where no engine gathers payloads from several ranks (no collective inside a post), two posts overlap: the
-        # second's HTTP and unpickling run while the engine copies the first. Engines serialize the loads
-        # themselves (SGLang's model-update lock; the fake's step lock).
-        self.concurrent_posts = not any(g is not None for g in self.groups.values())
-        self._posters: ThreadPoolExecutor | None = None
-        # GIL hand-over interval while syncing: the packer thread runs Python (pickling, launches) while this one
-        # waits on HTTP round trips, and at Python's default 5 ms each answer could wait up to that long for the GIL
-        self.switch_interval: float | None = 1e-4
 
     def _leads(self, e: ColocatedEngine) -> bool:
         return e.ranks(self.world_size)[0] == self.rank
 
     def close(self) -> None:
-        if self._posters is not None:
-            self._posters.shutdown(wait=True)
-            self._posters = None
         for c in self.clients.values():
             c.close()
 
@@ -111,7 +99,7 @@ class TensorWeightSync:
         the bucket before, so the engines' work and the HTTP round trips hide the export's. At most two packed
         buckets wait, so the memory bound stays a few buckets. Live weights handed over (`LiveWeights.hand_over`) go
         first and are read where they lie (`in_place_buckets`: no copy, no memory); the strided and cast ones are
-        packed. Where no post holds a collective (`concurrent_posts`), two posts overlap."""
+        packed."""
         clients = list(self.clients.values())
         t_start = time.perf_counter()
         seconds = {"export": 0.0, "pack": 0.0, "post": 0.0, "wait": 0.0}
@@ -120,14 +108,8 @@ class TensorWeightSync:
         producer = threading.Thread(
             target=self._produce, args=(named_tensors, ready, stop, seconds), name="weight-sync-pack", daemon=True
         )
-        switch_interval = sys.getswitchinterval()
-        if self.switch_interval is not None:
-            sys.setswitchinterval(self.switch_interval)
         producer.start()
         num_bytes = num_buckets = 0
-        in_flight: list[tuple[Future, Any]] = []  # (post, the item it reads: alive until the post returned)
-        if self.concurrent_posts and self._posters is None:
-            self._posters = ThreadPoolExecutor(max_workers=2, thread_name_prefix="weight-sync-post")
         try:
             t0 = time.perf_counter()
             begin_weight_sync(clients)
@@ -142,29 +124,16 @@ class TensorWeightSync:
                     raise item
                 bucket_bytes, payload, _flat = item  # _flat: alive until the engines have copied out of it
                 t0 = time.perf_counter()
-                if self.concurrent_posts and self._posters is not None:
-                    if len(in_flight) == 2:  # at most two at a time: the older one's answer first
-                        in_flight.pop(0)[0].result()
-                    in_flight.append((self._posters.submit(self._post, payload, weight_version), item))
-                else:
-                    self._post(payload, weight_version)
+                self._post(payload, weight_version)
                 seconds["post"] += time.perf_counter() - t0
                 if self.clients:
                     num_bytes += bucket_bytes * len(self.clients)
                 num_buckets += 1
-                del item, payload, _flat  # posted (or held by in_flight): this loop lets go of the bucket
-            t0 = time.perf_counter()
-            while in_flight:
-                in_flight.pop(0)[0].result()
-            seconds["post"] += time.perf_counter() - t0
+                del item, payload, _flat  # the engines have copied it: the bucket's memory may go
             t0 = time.perf_counter()
             end_weight_sync(clients)
             session += time.perf_counter() - t0
         finally:
-            for post, _ in in_flight:  # a failed sync: the engines may still read the other posts' buckets
-                wait([post])
-            in_flight.clear()
-            sys.setswitchinterval(switch_interval)
             stop.set()
             producer.join(timeout=None if sys.exc_info()[0] is None else 60.0)
             if producer.is_alive():  # stuck in a collective whose peer failed too: let the error through
@@ -178,7 +147,7 @@ class TensorWeightSync:
             "weight_sync/buckets": float(num_buckets),
             "weight_sync/export_s": seconds["export"],  # conversion (and host-to-device copies while asleep)
             "weight_sync/pack_s": seconds["pack"],  # copies into the flat buckets, serialization
-            "weight_sync/post_s": seconds["post"],  # waited for the engines' requests (gathers to the leader included)
+            "weight_sync/post_s": seconds["post"],  # the engines' requests (gathers to the leader included)
             "weight_sync/wait_s": seconds["wait"],  # posting waited for the packer: what the pipeline did not hide
             "weight_sync/session_s": session,  # pause, flush, begin ... end, continue
             "weight_sync/total_s": total,
