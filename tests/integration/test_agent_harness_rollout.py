@@ -42,6 +42,7 @@ def label_rm(args, sample: Sample) -> float:
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[tuple[int, Path, Path]]:
+    from sim.fake_sglang.testing import wait_for_router_workers
     from sim.tiny_checkpoint import build_tiny_checkpoint
 
     ckpt = build_tiny_checkpoint(tmp_path / "tiny")
@@ -58,6 +59,7 @@ def stack(tmp_path: Path) -> Iterator[tuple[int, Path, Path]]:
         router += ["--worker-urls", f"http://127.0.0.1:{eport}"]
         procs.append(ManagedProcess.start(router, name="router"))
         procs[-1].wait_healthy(f"http://127.0.0.1:{rport}/health", timeout=120)
+        wait_for_router_workers(f"http://127.0.0.1:{rport}", 1)
         yield rport, ckpt, log
     finally:
         run(stop_embedded_gateway())

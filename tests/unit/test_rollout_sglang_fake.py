@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from sim.fake_sglang.testing import wait_for_router_workers
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.sglang_rollout import generate_rollout
 from slime.utils.http_utils import find_free_port
@@ -58,6 +59,7 @@ def stack(tmp_path: Path) -> Iterator[tuple[str, int, Path, Path]]:
         router_cmd += ["--port", str(rport), "--worker-urls", f"http://127.0.0.1:{eport}"]
         procs.append(ManagedProcess.start(router_cmd, name="router"))
         procs[-1].wait_healthy(f"http://127.0.0.1:{rport}/health", timeout=120)
+        wait_for_router_workers(f"http://127.0.0.1:{rport}", 1)
         yield "127.0.0.1", rport, ckpt, log
     finally:
         for p in reversed(procs):
