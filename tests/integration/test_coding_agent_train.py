@@ -29,13 +29,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_agent_cli_harnesses import require_cli  # noqa: E402
 
 
-def sandbox_processes() -> list[str]:
+def sandbox_processes(root: Path) -> list[str]:
+    """Live processes of sandboxes under `root`: a sandbox uid, and HOME or TMPDIR inside `root` (other tests on
+    the other worker run sandboxes with the same uids at the same time)."""
     out = []
     for p in psutil.process_iter(["uids", "cmdline", "status"]):
         if p.info["status"] == psutil.STATUS_ZOMBIE:  # dead, not yet reaped by this host's pid 1
             continue
         uids = p.info["uids"]
-        if uids is not None and UID_BASE <= uids.real < UID_BASE + UID_SLOTS:
+        if uids is None or not UID_BASE <= uids.real < UID_BASE + UID_SLOTS:
+            continue
+        try:
+            env = p.environ()
+        except psutil.NoSuchProcess:
+            continue
+        except psutil.AccessDenied:
+            env = {}  # unreadable: counted, as if it were ours
+        if not env or any(env.get(k, "").startswith(str(root)) for k in ("HOME", "TMPDIR")):
             out.append(" ".join(p.info["cmdline"] or []))
     return out
 
@@ -85,7 +95,7 @@ def check_rollouts(tmp_path: Path, num_rollout: int, episodes: int) -> list[Samp
             assert sum(s.loss_mask) > 0
         everything += samples
     assert not list((tmp_path / "sandboxes").glob("slime-sbx-*")), "a sandbox directory outlived its episode"
-    assert not sandbox_processes()
+    assert not sandbox_processes(tmp_path / "sandboxes")
     return everything
 
 
