@@ -71,15 +71,3 @@ def launch_fake_sglang(
             stop_popen(proc, STOP_GRACE_S)
             if proc.stdout:
                 proc.stdout.close()
-
-
-def wait_for_router_workers(router_url: str, count: int, timeout: float = 60.0) -> None:
-    """Until the router at `router_url` lists `count` workers. sglang-router answers `/health` before it has
-    registered its `--worker-urls` (it adds them in the background), so a request right after could find none."""
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while len(httpx.get(f"{router_url}/workers", timeout=10).json()["workers"]) < count:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{router_url} did not list {count} worker(s) within {timeout:.0f}s")
-        time.sleep(0.05)

@@ -72,10 +72,6 @@ def deserialize(data: str | bytes) -> Any:
     return _Unpickler(io.BytesIO(raw)).load()
 
 
-def _get(m: Any, key: str) -> Any:
-    return m[key] if isinstance(m, dict) else getattr(m, key)
-
-
 def decode_payload(
     serialized: list[str | bytes], load_format: str | None, seconds: dict[str, float] | None = None
 ) -> list[tuple[str, torch.Tensor]]:

@@ -14,6 +14,8 @@ import pytest
 
 from slime.agent.arguments import resolve_agent_args
 from slime.agent.embedded import stop_embedded_gateway
+from slime.arguments import default_args
+from slime.backends.sglang.router import RouterProcess
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.sglang_rollout import generate_rollout
 from slime.utils.async_utils import run
@@ -42,27 +44,30 @@ def label_rm(args, sample: Sample) -> float:
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[tuple[int, Path, Path]]:
-    from sim.fake_sglang.testing import wait_for_router_workers
     from sim.tiny_checkpoint import build_tiny_checkpoint
 
     ckpt = build_tiny_checkpoint(tmp_path / "tiny")
     (tmp_path / "script.json").write_text(json.dumps(SCRIPT))
     log = tmp_path / "engine.jsonl"
     procs: list[ManagedProcess] = []
+    router: RouterProcess | None = None
     try:
         eport, rport = find_free_port(), find_free_port()
         cmd = [sys.executable, "-m", "sim.fake_sglang", "--host", "127.0.0.1", "--port", str(eport), "--engine"]
         cmd += ["scripted", "--script", str(tmp_path / "script.json"), "--model-path", str(ckpt)]
         procs.append(ManagedProcess.start(cmd + ["--request-log", str(log)], name="fake engine"))
         procs[-1].wait_healthy(f"http://127.0.0.1:{eport}/health", timeout=120)
-        router = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(rport)]
-        router += ["--worker-urls", f"http://127.0.0.1:{eport}"]
-        procs.append(ManagedProcess.start(router, name="router"))
-        procs[-1].wait_healthy(f"http://127.0.0.1:{rport}/health", timeout=120)
-        wait_for_router_workers(f"http://127.0.0.1:{rport}", 1)
+        # slime's own router handling: add_worker returns once the router lists the engine healthy (it answers
+        # /health before it has registered anything)
+        router = RouterProcess.start(
+            default_args(), host="127.0.0.1", port=rport, log_file=str(tmp_path / "router.log")
+        )
+        router.add_worker(f"http://127.0.0.1:{eport}")
         yield rport, ckpt, log
     finally:
         run(stop_embedded_gateway())
+        if router is not None:
+            router.stop(grace=10)
         for p in reversed(procs):
             p.stop(grace=10)
 

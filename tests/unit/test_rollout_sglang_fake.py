@@ -14,7 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from sim.fake_sglang.testing import wait_for_router_workers
+from slime.arguments import default_args
+from slime.backends.sglang.router import RouterProcess
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.sglang_rollout import generate_rollout
 from slime.utils.http_utils import find_free_port
@@ -49,19 +50,23 @@ def stack(tmp_path: Path) -> Iterator[tuple[str, int, Path, Path]]:
     )
     log = tmp_path / "requests.jsonl"
     procs: list[ManagedProcess] = []
+    router: RouterProcess | None = None
     try:
         eport, rport = find_free_port(), find_free_port()
         engine_cmd = [sys.executable, "-m", "sim.fake_sglang", "--host", "127.0.0.1", "--port", str(eport)]
         engine_cmd += ["--engine", "scripted", "--script", str(script), "--model-path", str(ckpt)]
         procs.append(ManagedProcess.start(engine_cmd + ["--request-log", str(log)], name="fake engine"))
         procs[-1].wait_healthy(f"http://127.0.0.1:{eport}/health", timeout=120)
-        router_cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1"]
-        router_cmd += ["--port", str(rport), "--worker-urls", f"http://127.0.0.1:{eport}"]
-        procs.append(ManagedProcess.start(router_cmd, name="router"))
-        procs[-1].wait_healthy(f"http://127.0.0.1:{rport}/health", timeout=120)
-        wait_for_router_workers(f"http://127.0.0.1:{rport}", 1)
+        # slime's own router handling: add_worker returns once the router lists the engine healthy (it answers
+        # /health before it has registered anything)
+        router = RouterProcess.start(
+            default_args(), host="127.0.0.1", port=rport, log_file=str(tmp_path / "router.log")
+        )
+        router.add_worker(f"http://127.0.0.1:{eport}")
         yield "127.0.0.1", rport, ckpt, log
     finally:
+        if router is not None:
+            router.stop(grace=10)
         for p in reversed(procs):
             p.stop(grace=10)
 
