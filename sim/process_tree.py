@@ -13,10 +13,13 @@ import psutil
 
 
 class ProcessTreeWatcher:
-    """Samples every descendant's cmdline, process name, parent, listening ports and CPU time until `stop()`."""
+    """Samples every descendant's cmdline, process name, parent, CPU time (and listening ports) until `stop()`."""
 
-    def __init__(self, pid: int, interval: float = 0.2) -> None:
+    def __init__(self, pid: int, interval: float = 0.2, listeners: bool = False) -> None:
+        """`listeners=True` also records each process's listening ports: that reads every socket table of the
+        machine per process and sample (most of the watcher's CPU), so only tests that check ports ask for it."""
         self.root = psutil.Process(pid)
+        self.watch_ports = listeners
         self.interval = interval
         self.cmdlines: dict[int, str] = {}
         self.names: dict[int, str] = {}
@@ -37,19 +40,24 @@ class ProcessTreeWatcher:
                 return
             for p in procs:
                 try:
-                    cmd = " ".join(p.cmdline())
-                    if cmd:  # a zombie's cmdline reads empty: keep what the live process showed
-                        self.cmdlines[p.pid] = cmd
-                    self.names[p.pid] = p.name()  # e.g. sglang_router retitles itself "sglang::router"
-                    self.parents[p.pid] = p.ppid()
-                    cpu = p.cpu_times()
-                    self.cpu_s[p.pid] = cpu.user + cpu.system
-                    self.first_seen_s.setdefault(p.pid, time.perf_counter() - self._t0)
-                    ports = {c.laddr.port for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN}
-                    self.listeners.setdefault(p.pid, set()).update(ports)
+                    with p.oneshot():  # one read of /proc/PID/stat for name, parent and CPU times
+                        self._sample(p)
                 except psutil.Error:
                     pass
             time.sleep(self.interval)
+
+    def _sample(self, p: psutil.Process) -> None:
+        cmd = " ".join(p.cmdline())
+        if cmd:  # a zombie's cmdline reads empty: keep what the live process showed
+            self.cmdlines[p.pid] = cmd
+        self.names[p.pid] = p.name()  # e.g. sglang_router retitles itself "sglang::router"
+        self.parents[p.pid] = p.ppid()
+        cpu = p.cpu_times()
+        self.cpu_s[p.pid] = cpu.user + cpu.system
+        self.first_seen_s.setdefault(p.pid, time.perf_counter() - self._t0)
+        if self.watch_ports:
+            ports = {c.laddr.port for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN}
+            self.listeners.setdefault(p.pid, set()).update(ports)
 
     def stop(self) -> None:
         self._stop.set()

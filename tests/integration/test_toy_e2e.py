@@ -61,11 +61,11 @@ def rollout_flags(assets: Path) -> list[str]:
 
 
 def run_slime(
-    argv: list[str], metrics: Path, on_running=None, timeout: float = 600
+    argv: list[str], metrics: Path, on_running=None, timeout: float = 600, listeners: bool = False
 ) -> tuple[dict, ProcessTreeWatcher]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with slime_train([*argv, "--metrics-dir", str(metrics)], metrics.parent / f"{metrics.name}.log", env) as proc:
-        watcher = ProcessTreeWatcher(proc.pid)
+        watcher = ProcessTreeWatcher(proc.pid, listeners=listeners)
         try:
             if on_running is not None:
                 on_running(proc)
@@ -157,7 +157,7 @@ def test_toy_train_replay_and_rollout_only(assets, tmp_path):
 
     # 2. replay: same hashes, no engine or router process, no listener outside Ray's own
     replay_flags = ["--load-debug-rollout-data", str(dump), "--hf-checkpoint", str(assets / "model")]
-    replay, tree = run_slime([*base, *replay_flags], tmp_path / "replay")
+    replay, tree = run_slime([*base, *replay_flags], tmp_path / "replay", listeners=True)
     assert replay["hashes"] == live["hashes"]
     assert replay["server_info"]["router_pid"] is None and replay["server_info"]["engine_pids"] == []
     cmds = list(tree.cmdlines.values())

@@ -167,8 +167,25 @@ def save_trainer_state(trainer: Any, path: str, rollout_id: int) -> None:
         "optim_metadata": _optim_metadata(trainer),
         "parallel": {d: ps.size(d) for d in ("tp", "pp", "dp", "cp", "ep")},
     }
+    _in_process_write_results()
     dist_checkpointing.save(state, path)
     logger.info("rank %d saved its trainer state to %s", ps.global_rank, path)
+
+
+def _in_process_write_results() -> None:
+    """Hand megatron's torch_dist writer an in-process queue for its write results.
+
+    Its writer collects the results of its forked writer processes into one module-level queue, by default a
+    `multiprocessing.Manager` queue served by a *spawned* interpreter (~3 CPU-s and a second or more per train
+    process at its first save, longer than a toy checkpoint's write). That queue exists for async saves, whose
+    collecting function runs outside the training process; slime saves synchronously, so the collector runs here
+    (`AsyncRequest.execute_sync`) and a `queue.Queue` carries the same results."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def load_trainer_state(trainer: Any, path: str) -> dict[str, Any]:
