@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from examples.toy.prepare import prepare
+
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,12 +38,7 @@ def _mask_one_runs(tokens: list[int], loss_mask: list[int], response_length: int
 
 def test_openai_sdk_harness_trains(tmp_path):
     assets = tmp_path / "toy"
-    subprocess.run(
-        [sys.executable, "-m", "examples.toy.prepare", "--out", str(assets), "--num-train", "32", "--num-eval", "4"],
-        check=True,
-        cwd=ROOT,
-        timeout=300,
-    )
+    prepare(assets, num_train=32, num_eval=4)  # in-process: ~0.02 s, not a ~6 CPU-s interpreter
     logs = tmp_path / "engine_logs"
     logs.mkdir()
     metrics = tmp_path / "run"

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from examples.toy.prepare import prepare
+
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,12 +28,7 @@ HERE = Path(__file__).resolve().parent
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("toy")
-    subprocess.run(
-        [sys.executable, "-m", "examples.toy.prepare", "--out", str(out), "--num-train", "32", "--num-eval", "4"],
-        check=True,
-        cwd=ROOT,
-        timeout=300,
-    )
+    prepare(out, num_train=32, num_eval=4)  # in-process: ~0.02 s, not a ~6 CPU-s interpreter
     return out
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from examples.toy.prepare import prepare
 from slime.utils.http_utils import find_free_port
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
@@ -130,12 +131,7 @@ def two_node_cluster():
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("toy")
-    subprocess.run(
-        [sys.executable, "-m", "examples.toy.prepare", "--out", str(out), "--num-train", "32", "--num-eval", "4"],
-        check=True,
-        cwd=ROOT,
-        timeout=300,
-    )
+    prepare(out, num_train=32, num_eval=4)  # in-process: ~0.02 s, not a ~6 CPU-s interpreter
     return out
 
 

@@ -19,7 +19,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import psutil
 import pytest
 import torch
 
+from examples.toy.prepare import prepare
 from sim.slime_run import slime_train
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
@@ -38,8 +38,7 @@ NUM_ROLLOUT = 3
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("resume")
-    cmd = [sys.executable, "-m", "examples.toy.prepare", "--out", str(out), "--num-train", "64", "--num-eval", "4"]
-    subprocess.run(cmd, check=True, cwd=ROOT, timeout=300)
+    prepare(out, num_train=64, num_eval=4)  # in-process: ~0.02 s, not a ~6 CPU-s interpreter
     return out
 
 

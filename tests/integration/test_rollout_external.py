@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from examples.toy.prepare import prepare
 from sim.fake_sglang.testing import launch_fake_sglang
 from sim.process_tree import ProcessTreeWatcher
 
@@ -23,12 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("toy")
-    subprocess.run(
-        [sys.executable, "-m", "examples.toy.prepare", "--out", str(out), "--num-train", "32", "--num-eval", "4"],
-        check=True,
-        cwd=ROOT,
-        timeout=300,
-    )
+    prepare(out, num_train=32, num_eval=4)  # in-process: ~0.02 s, not a ~6 CPU-s interpreter
     return out
 
 

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from examples.toy.prepare import prepare
 from sim.process_tree import ProcessTreeWatcher
 from sim.slime_run import slime_train
 
@@ -49,8 +48,7 @@ def read_logs(log_dir: Path) -> dict[int, list[dict]]:
 
 def test_example_topology_trains_with_all_three_models(tmp_path):
     assets = tmp_path / "assets"
-    subprocess.run([sys.executable, "-m", "examples.toy.prepare", "--out", str(assets), "--num-train", "16",
-                    "--num-eval", "2"], check=True, cwd=ROOT, timeout=300)  # fmt: skip
+    prepare(assets, num_train=16, num_eval=2)  # in-process: ~0.02 s, not a ~6 CPU-s interpreter
     dump = tmp_path / "dump" / "rollout_{rollout_id}.pt"
     logs = tmp_path / "engine_logs"
     logs.mkdir()
