@@ -23,7 +23,9 @@ Three megatron-core 0.16.1 quirks are handled here. Without TransformerEngine/Ap
 distributed optimizer cannot build a state dict before its first step (no `step` in the state yet), and its
 loader shares one `step` tensor between all parameters and then overwrites it with the loading rank's own
 value; steps are therefore saved in the common state and restored per param. And with `--bf16` its map from
-model params to optimizer slots is wrong for groups mixing fp32 and bf16 params (`_fix_group_index_map`).
+model params to optimizer slots is wrong for groups mixing fp32 and bf16 params (`_fix_group_index_map`). Its
+torch_dist writer, built for async saves, would also start a spawned interpreter per process to collect write
+results; a synchronous save collects them in-process (`_in_process_write_results`).
 """
 
 from __future__ import annotations
