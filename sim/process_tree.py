@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import psutil
 
@@ -72,3 +73,29 @@ class ProcessTreeWatcher:
         """
         hits = {pid for pid, c in self.cmdlines.items() if needle in c or needle in self.names.get(pid, "")}
         return sum(self.parents.get(pid) not in hits for pid in hits)
+
+
+def sandbox_processes(root: Path) -> list[str]:
+    """Command lines of the live processes of the local sandboxes under `root` (slime/agent/local_sandbox.py).
+
+    A sandbox uid alone does not say whose a process is: tests on the other worker run sandboxes with the same
+    uids at the same time. So a process counts when its uid is a sandbox uid and its HOME or TMPDIR lies under
+    `root`, or when its environment cannot be read (counted, as if it were ours)."""
+    from slime.agent.local_sandbox import UID_BASE, UID_SLOTS
+
+    out = []
+    for p in psutil.process_iter(["uids", "cmdline", "status"]):
+        if p.info["status"] == psutil.STATUS_ZOMBIE:  # dead, not yet reaped by this host's pid 1
+            continue
+        uids = p.info["uids"]
+        if uids is None or not UID_BASE <= uids.real < UID_BASE + UID_SLOTS:
+            continue
+        try:
+            env = p.environ()
+        except psutil.NoSuchProcess:
+            continue
+        except psutil.AccessDenied:
+            env = {}
+        if not env or any(env.get(k, "").startswith(str(root)) for k in ("HOME", "TMPDIR")):
+            out.append(" ".join(p.info["cmdline"] or []))
+    return out

@@ -19,9 +19,9 @@ import pytest
 
 from examples.coding_agent.scripted_policy import build_script
 from sim.fake_sglang.testing import launch_fake_sglang
+from sim.process_tree import sandbox_processes
 from slime.agent.embedded import get_embedded_gateway, stop_embedded_gateway
 from slime.agent.harness import repo_task
-from slime.agent.local_sandbox import UID_BASE, UID_SLOTS
 from slime.arguments import default_args
 from slime.utils.async_utils import run
 from slime.utils.types import Sample, Status
@@ -78,16 +78,11 @@ def episode(args: Any, iid: str, prompt_suffix: str = "") -> list[Sample]:
     return run(repo_task.generate(args, sample, {"temperature": 1.0}))
 
 
-def leftovers(needle: str) -> list[str]:
-    out = []
-    for p in psutil.process_iter(["uids", "cmdline", "status"]):
-        uids = p.info["uids"]
-        if p.info["status"] == psutil.STATUS_ZOMBIE or uids is None:
-            continue
-        cmd = " ".join(p.info["cmdline"] or [])
-        if UID_BASE <= uids.real < UID_BASE + UID_SLOTS or needle in cmd:
-            out.append(cmd)
-    return out
+def leftovers(root: Path, needle: str) -> list[str]:
+    """This test's sandbox processes (not the other worker's), and any live process whose cmdline has `needle`."""
+    named = [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline", "status"])
+             if p.info["status"] != psutil.STATUS_ZOMBIE and needle in " ".join(p.info["cmdline"] or [])]  # fmt: skip
+    return sandbox_processes(root) + named
 
 
 def session_was_finished(args: Any, sid: str) -> bool:
@@ -122,5 +117,6 @@ def test_harness_over_budget_is_killed_and_aborted(engine) -> None:
     assert "over its budget" in s.metadata["abort_reason"]
     assert s.loss_mask == [0] and s.reward == 0.0 and s.response_length == 1
     assert session_was_finished(args, s.metadata["agent_session_id"])
-    assert leftovers("919.25") == [] and leftovers("920.25") == []
+    sandboxes = engine[2] / "sandboxes"
+    assert leftovers(sandboxes, "919.25") == [] and leftovers(sandboxes, "920.25") == []
     assert not list((engine[2] / "sandboxes").glob("slime-sbx-*"))

@@ -12,13 +12,12 @@ import os
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
 from examples.coding_agent.scripted_policy import build_script, expected_reward
+from sim.process_tree import sandbox_processes
 from sim.slime_run import run_slime_train
-from slime.agent.local_sandbox import UID_BASE, UID_SLOTS
 from slime.utils.types import Sample, Status
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
@@ -27,27 +26,6 @@ ROOT = Path(__file__).resolve().parents[2]
 TASKS = ROOT / "examples" / "coding_agent" / "tasks.jsonl"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_agent_cli_harnesses import require_cli  # noqa: E402
-
-
-def sandbox_processes(root: Path) -> list[str]:
-    """Live processes of sandboxes under `root`: a sandbox uid, and HOME or TMPDIR inside `root` (other tests on
-    the other worker run sandboxes with the same uids at the same time)."""
-    out = []
-    for p in psutil.process_iter(["uids", "cmdline", "status"]):
-        if p.info["status"] == psutil.STATUS_ZOMBIE:  # dead, not yet reaped by this host's pid 1
-            continue
-        uids = p.info["uids"]
-        if uids is None or not UID_BASE <= uids.real < UID_BASE + UID_SLOTS:
-            continue
-        try:
-            env = p.environ()
-        except psutil.NoSuchProcess:
-            continue
-        except psutil.AccessDenied:
-            env = {}  # unreadable: counted, as if it were ours
-        if not env or any(env.get(k, "").startswith(str(root)) for k in ("HOME", "TMPDIR")):
-            out.append(" ".join(p.info["cmdline"] or []))
-    return out
 
 
 def train(
