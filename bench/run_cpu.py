@@ -122,12 +122,17 @@ def main(argv: list[str] | None = None) -> dict:
             f"{r['role']:<22} {r['processes']:>5} {r['cpu_s']:>7.1f} {r['cpu_s'] / total:>6.0%} {r['first_start_s']:>8.1f}s"
         )
     print(f"{'total':<22} {len(res['processes']):>5} {total:>7.1f}   wall {res['wall_s']:.1f} s")
+    return write_result(a.json, {"wall_s": round(res["wall_s"], 1), "total_cpu_s": round(total, 1), "roles": rows})
+
+
+def write_result(path: str, fields: dict) -> dict:
+    """`fields` with the date and the machine, as JSON at `path` (relative to the repository root)."""
     result = {
         "date": datetime.datetime.now().isoformat(timespec="minutes"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-        "wall_s": round(res["wall_s"], 1), "total_cpu_s": round(total, 1), "roles": rows,
-    }  # fmt: skip
-    dest = ROOT / a.json
+        **fields,
+    }
+    dest = ROOT / path
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(result, indent=1) + "\n")
     logger.info("wrote %s", dest)

@@ -14,11 +14,8 @@ here; a process that lives shorter than one interval is missed.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import logging
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -29,6 +26,7 @@ import psutil
 from tqdm import tqdm
 
 from bench.run_cpu import role as run_role
+from bench.run_cpu import write_result
 
 logger = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,8 +43,8 @@ def role(cmdline: str, name: str) -> str:
     if "multiprocessing.resource_tracker" in cmdline:
         return "multiprocessing resource tracker"
     r = run_role(cmdline, name)
-    if r != (os.path.basename(cmdline.split()[0]) if cmdline else name):
-        return r  # one of run_cpu's roles
+    if r != os.path.basename(cmdline.split()[0]):  # one of run_cpu's roles, not its fallback (the program)
+        return r
     if name in ("claude", "codex") or "/claude" in cmdline or "/codex" in cmdline:
         return f"agent CLI {name}"
     parts = cmdline.split()
@@ -117,17 +115,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{r['role']:<40} {r['processes']:>5} {r['cpu_s']:>8.1f} {r['cpu_s'] / total:>6.0%}")
     print(f"{'total sampled':<40} {'':>5} {total:>8.1f}   machine busy {busy:.0f} CPU-s, wall {wall:.0f} s")
     print(f"pytest exit code {proc.returncode}; its output: {log}")
-    result = {
-        "date": datetime.datetime.now().isoformat(timespec="minutes"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+    return write_result(a.json, {
         "pytest_args": a.pytest_args, "returncode": proc.returncode, "wall_s": round(wall, 1),
         "machine_busy_cpu_s": round(busy, 1), "sampled_cpu_s": round(total, 1), "roles": table,
-    }  # fmt: skip
-    dest = ROOT / a.json
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(json.dumps(result, indent=1) + "\n")
-    logger.info("wrote %s", dest)
-    return result
+    })  # fmt: skip
 
 
 if __name__ == "__main__":
