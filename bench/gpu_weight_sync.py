@@ -11,6 +11,7 @@ What it runs (one GPU, megatron-core; no Ray, no router):
    - **live**: as `slime train` syncs after a train call — the trainer half asleep (optimizer state and grads
      released), the weights read on the GPU; then the second half of the sleep, timed apart;
    - **host**: as at start-up — the trainer asleep, the weights moved back from its pinned host copy;
+   and the last live sync event by event, both sides (`timeline`: where its milliseconds go);
 4. the floor: one flat bf16 tensor of the same bytes handed to a second process (pickled as CUDA IPC handles,
    opened there, copied into a buffer of its own, synchronized, acknowledged).
 5. `--parts`: each part of a live sync alone, synchronized, medians (`sync_parts` names them): the tensors read
@@ -77,6 +78,22 @@ def bare_handoff(numel: int, repeats: int) -> list[float]:
         parent.send_bytes(b"stop")
         proc.join(30)
     return times[2:]
+
+
+def timeline(trace: list[tuple[str, float]], request_log: Path) -> list[str]:
+    """One sync's events, both sides, in ms from its start: the trainer's (`TensorWeightSync.trace`: session
+    opened/closed, payloads ready, posts' start and end) and each engine request it made (the server's own span,
+    and for a post the engine's unpickle / views / copy)."""
+    t0, t1 = trace[0][1], trace[-1][1]
+    rows = [(t - t0, f"trainer  {event}") for event, t in trace]
+    for line in request_log.read_text().splitlines():
+        r = json.loads(line) if line.strip() else {}
+        if not t0 <= r.get("ts_start", 0.0) <= t1:
+            continue
+        parts = [f"{k[:-2]} {r[k] * 1e3:.2f}" for k in ("unpickle_s", "views_s", "load_s") if k in r]
+        span = (r["ts_end"] - r["ts_start"]) * 1e3
+        rows.append((r["ts_start"] - t0, f"engine   {r['endpoint']} for {span:.2f} ms {' '.join(parts)}".rstrip()))
+    return [f"{at * 1e3:7.2f} ms  {what}" for at, what in sorted(rows)]
 
 
 def sync_parts(trainer: Any, off: Any, url: str, version: int, repeats: int, request_log: Path) -> dict[str, float]:
@@ -183,9 +200,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for i in range(a.repeats + 1):  # the first of each way opens connections and warms the allocator
                 off.wake_up()
                 off.sleep(keep_weights=True)  # what the train call leaves behind when a sync follows
+                sync.trace = [] if i == a.repeats else None  # the last live sync's timeline
                 t0 = time.perf_counter()
                 m = sync.sync(trainer.weights_for_sync(), version := version + 1)
                 m["total_s"] = time.perf_counter() - t0
+                if sync.trace:
+                    trace = timeline(sync.trace, request_log)
+                    sync.trace = None
                 t0 = time.perf_counter()
                 off.sleep()  # the sleep's second half: params to the pinned copy, released
                 if i:
@@ -200,7 +221,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"buckets of {bucket / 2**20:.0f} MiB, sync {i}: live {m['total_s']:.4f}s host {h['total_s']:.4f}s"
                 )
             sync.close()
-            entry: dict[str, Any] = {"release_weights_s": median(release)}
+            entry: dict[str, Any] = {"release_weights_s": median(release), "live_timeline": trace}
+            log(f"the last live sync with {bucket / 2**20:.0f} MiB buckets, event by event:\n" + "\n".join(trace))
             for way, ms in runs.items():
                 entry[way] = {k: median([m[k] for m in ms]) for k in ms[0]}
                 entry[way]["all_total_s"] = [m["total_s"] for m in ms]

@@ -362,6 +362,11 @@ def build_app(
         except Exception as e:  # noqa: BLE001 - any failure to load (a bad pickle among them) is success=false
             logger.warning("weight update failed: %s", e)
             return web.json_response({"success": False, "message": f"Failed to update weights: {e}"}, status=400)
+        # scheduler_update_weights_mixin.py: a requested flush that fails (requests still running) is an assert
+        # in the scheduler, not a reply; the caller must have drained the engine first
+        if body["flush_cache"] and not engine.flush_cache():
+            logger.error("Cache flush failed after updating weights: %d requests unfinished", engine.num_unfinished)
+            return _error("Cache flush failed after updating weights", status=500)
         message = "Succeeded to update model weights."
         if body["weight_version"] is not None:
             engine.weight_version = body["weight_version"]

@@ -260,12 +260,13 @@ def register_weight_group_endpoints(
             logger.error("update_weights_from_distributed failed: %s", e)
             return _reply(False, f"Failed to receive weights: {e}")
         session["loaded"] = True
+        if body["flush_cache"] and not engine.flush_cache():  # the scheduler asserts here: fail as loudly
+            logger.error("Cache flush failed after updating weights: %d requests unfinished", engine.num_unfinished)
+            return v.error_message("Cache flush failed after updating weights", status=500)
         message = "Succeeded to update parameter online."
         if body["weight_version"] is not None:
             engine.weight_version = body["weight_version"]
             message += f" Weight version updated to {engine.weight_version}."
-        if body["flush_cache"]:
-            engine.flush_cache()
         return _reply(True, message)
 
     async def begin_update(request: web.Request) -> web.Response:

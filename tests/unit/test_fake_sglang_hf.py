@@ -175,7 +175,9 @@ def test_stream_is_cumulative_sse_ending_with_done(server):
         )
 
 
-def test_pause_in_place_holds_running_and_new_requests_then_continue(server):
+def test_pause_in_place_holds_running_and_new_requests_then_continue(server, ckpt):
+    from safetensors.torch import load_file
+
     c = server.client
     got: dict = {}
     t = _start_long(c, "p1", got, max_new_tokens=300)
@@ -188,6 +190,15 @@ def test_pause_in_place_holds_running_and_new_requests_then_continue(server):
     st = c.get("/get_server_info").json()["internal_states"][0]
     assert st["decode_steps"] == steps and st["paused"] and "p1" not in got and "p2" not in got
     assert c.post("/flush_cache").status_code == 400  # requests still in the engine
+    # an update that asks for a flush then fails as loudly as SGLang's scheduler (an assert); without one it loads
+    same = list(load_file(str(ckpt / "model.safetensors")).items())[:2]  # the served values: outputs unchanged
+    answers = {}
+    for flush in (True, False):
+        body, _keep = build_update_body(same, flush_cache=flush)
+        answers[flush] = c.post("/update_weights_from_tensor", json=body)
+    assert answers[True].status_code == 500, answers[True].text
+    assert answers[True].json()["error"]["message"] == "Cache flush failed after updating weights"
+    assert answers[False].status_code == 200 and answers[False].json()["success"] is True
     assert c.post("/continue_generation", json={}).status_code == 200
     t.join(60)
     t_new.join(60)

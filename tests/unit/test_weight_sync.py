@@ -112,14 +112,25 @@ def test_live_weights_are_read_in_place_and_land_exactly(ckpt):
             stats = sync.sync(items, weight_version=3)
             want = {name: tensor_checksum(src.reshape(shape)) for name, src, shape, _ in items}
             check_engines([srv.url], want)  # raises WeightMismatch naming the tensors that differ
-            packed_only = sync.sync(LiveWeights(items), weight_version=4)  # not handed over: every tensor packed
+            for _, src, _, _ in items:  # an optimizer step in place; the next sync reuses this one's split
+                src.mul_(-0.5)
+            again = sync.sync(items, weight_version=4)
+            new = {name: tensor_checksum(src.reshape(shape)) for name, src, shape, _ in items}
+            assert new != want
+            check_engines([srv.url], new)
+            want = new
+            packed_only = sync.sync(LiveWeights(items), weight_version=5)  # not handed over: every tensor packed
         finally:
             sync.close()
         check_engines([srv.url], want)
     strided = [item for item in items if not item[1].is_contiguous()]
     assert stats["weight_sync/bytes"] == sum(t.numel() * 4 for _, t in named)
     # one in-place bucket (the shared buffer) plus the q_proj tensors packed in 64 KiB buckets
-    assert stats["weight_sync/buckets"] == 1 + len(list(buckets_by_dtype(strided, 64 * 1024)))
+    assert (
+        stats["weight_sync/buckets"]
+        == again["weight_sync/buckets"]
+        == 1 + len(list(buckets_by_dtype(strided, 64 * 1024)))
+    )
     assert packed_only["weight_sync/buckets"] == len(list(buckets_by_dtype(items, 64 * 1024)))
 
 

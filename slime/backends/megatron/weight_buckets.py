@@ -53,6 +53,16 @@ class LiveWeights(list):
     def __init__(self, items: Iterable[Item] = (), hand_over: bool = False) -> None:
         super().__init__(items)
         self.hand_over = hand_over
+        self._plan: tuple[list[_Group], list[Item]] | None = None
+
+    def split_in_place(self) -> tuple[list[tuple[torch.Tensor, list[Any], int]], list[Item]]:
+        """`in_place_buckets(self)` with its Python (a pass over every view) done once: kept views never change
+        storage, offset or shape, so a later sync only makes each storage's flat view again (its size is read
+        anew: the offloader may have resized the storage in between)."""
+        if self._plan is None or not all(shareable_in_place(g.source) for g in self._plan[0]):
+            self._plan = _in_place_plan(self)
+        groups, rest = self._plan
+        return [(g.flat(), g.meta, g.nbytes) for g in groups], rest
 
 
 def shareable_in_place(t: torch.Tensor) -> bool:
@@ -60,6 +70,41 @@ def shareable_in_place(t: torch.Tensor) -> bool:
     only if it is already shared memory (pickling a private host storage would move it to shared memory, and a
     shared storage can no longer be resized, which the offloader's release of the params does)."""
     return t.is_cuda or t.untyped_storage().is_shared()
+
+
+@dataclass
+class _Group:
+    """Items read in place from one storage: `source` is one of them (its storage is the group's)."""
+
+    source: torch.Tensor
+    dtype: torch.dtype
+    meta: list[Any]
+    nbytes: int
+
+    def flat(self) -> torch.Tensor:
+        """A 1-D view of the whole storage, in the group's dtype."""
+        storage = self.source.untyped_storage()
+        size = (storage.nbytes() // self.dtype.itemsize,)
+        return torch.empty(0, dtype=self.dtype, device=self.source.device).set_(storage, 0, size)
+
+
+def _in_place_plan(items: Iterable[Item]) -> tuple[list[_Group], list[Item]]:
+    groups: dict[int, _Group] = {}
+    rest: list[Item] = []
+    cls = _metadata_class()
+    for item in items:
+        name, t, shape, dtype = _spec(item)
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        fits = t.dtype == dtype and t.is_contiguous() and storage.nbytes() % dtype.itemsize == 0
+        if not (fits and shareable_in_place(t)) or (key in groups and groups[key].dtype != dtype):
+            rest.append(item)
+            continue
+        group = groups.setdefault(key, _Group(t, dtype, [], 0))
+        start = t.storage_offset()
+        group.meta.append(cls(name, shape, dtype, start, start + shape.numel(), shape.numel()))
+        group.nbytes += _nbytes(shape, dtype)
+    return list(groups.values()), rest
 
 
 def in_place_buckets(items: Iterable[Item]) -> tuple[list[tuple[torch.Tensor, list[Any], int]], list[Item]]:
@@ -71,25 +116,8 @@ def in_place_buckets(items: Iterable[Item]) -> tuple[list[tuple[torch.Tensor, li
 
     Why: the copy into a bucket moves every byte once more than the hand-off needs; for the kept views of a
     trainer without TP gathers that is ~85% of the bytes (all but q/k/v)."""
-    groups: dict[int, tuple[torch.Tensor, list[Any], int]] = {}
-    rest: list[Item] = []
-    cls = _metadata_class()
-    for item in items:
-        name, t, shape, dtype = _spec(item)
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        fits = t.dtype == dtype and t.is_contiguous() and storage.nbytes() % dtype.itemsize == 0
-        if not (fits and shareable_in_place(t)) or (key in groups and groups[key][0].dtype != dtype):
-            rest.append(item)
-            continue
-        if key not in groups:
-            flat = torch.empty(0, dtype=dtype, device=t.device).set_(storage, 0, (storage.nbytes() // dtype.itemsize,))
-            groups[key] = (flat, [], 0)
-        flat, meta, nbytes = groups[key]
-        start = t.storage_offset()
-        meta.append(cls(name, shape, dtype, start, start + shape.numel(), shape.numel()))
-        groups[key] = (flat, meta, nbytes + _nbytes(shape, dtype))
-    return list(groups.values()), rest
+    groups, rest = _in_place_plan(items)
+    return [(g.flat(), g.meta, g.nbytes) for g in groups], rest
 
 
 def buckets_by_dtype(named_tensors: Iterable[Item], bucket_bytes: int) -> Iterator[list[Item]]:

@@ -21,7 +21,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -37,7 +37,6 @@ from slime.backends.megatron.weight_buckets import (
     bucket_nbytes,
     buckets_by_dtype,
     flatten,
-    in_place_buckets,
     new_buffer,
 )
 from slime.backends.sglang.client import SGLangClient, begin_weight_sync, end_weight_sync
@@ -84,6 +83,7 @@ class TensorWeightSync:
             if self.rank in ranks:
                 self.groups[e] = group
         self.clients = {e: SGLangClient(e.url) for e in engines if self._leads(e)}
+        self.trace: list[tuple[str, float]] | None = None
 
     def _leads(self, e: ColocatedEngine) -> bool:
         return e.ranks(self.world_size)[0] == self.rank
@@ -97,16 +97,25 @@ class TensorWeightSync:
 
         Pipelined: a thread converts and packs the buckets (`_produce`) while this one opens the session and posts
         the bucket before, so the engines' work and the HTTP round trips hide the export's. At most two packed
-        buckets wait, so the memory bound stays a few buckets. Live weights handed over (`LiveWeights.hand_over`) go
-        first and are read where they lie (`in_place_buckets`: no copy, no memory); the strided and cast ones are
-        packed."""
+        buckets wait, so the memory bound stays a few buckets. Live weights handed over (`LiveWeights.hand_over`)
+        are read where they lie (`LiveWeights.split_in_place`: no copy, no memory) and posted last; the strided and
+        cast ones are packed first.
+
+        `self.trace`, when a list, receives (event, `time.time()`) pairs: the session opened and closed, each
+        payload ready and each post's start and end (`bench/gpu_weight_sync.py` lays them beside the engine's
+        request log)."""
         clients = list(self.clients.values())
+        mark = self.trace.append if self.trace is not None else lambda _event: None
+        mark(("start", time.time()))
         t_start = time.perf_counter()
         seconds = {"export": 0.0, "pack": 0.0, "post": 0.0, "wait": 0.0}
         ready: queue.Queue[Any] = queue.Queue(maxsize=2)
         stop = threading.Event()
         producer = threading.Thread(
-            target=self._produce, args=(named_tensors, ready, stop, seconds), name="weight-sync-pack", daemon=True
+            target=self._produce,
+            args=(named_tensors, ready, stop, seconds, mark),
+            name="weight-sync-pack",
+            daemon=True,
         )
         producer.start()
         num_bytes = num_buckets = 0
@@ -114,6 +123,7 @@ class TensorWeightSync:
             t0 = time.perf_counter()
             begin_weight_sync(clients)
             session = time.perf_counter() - t0
+            mark(("opened", time.time()))
             while True:
                 t0 = time.perf_counter()
                 item = ready.get()
@@ -123,9 +133,11 @@ class TensorWeightSync:
                 if isinstance(item, BaseException):
                     raise item
                 bucket_bytes, payload, _flat = item  # _flat: alive until the engines have copied out of it
+                mark((f"post {num_buckets}", time.time()))
                 t0 = time.perf_counter()
                 self._post(payload, weight_version)
                 seconds["post"] += time.perf_counter() - t0
+                mark((f"posted {num_buckets}", time.time()))
                 if self.clients:
                     num_bytes += bucket_bytes * len(self.clients)
                 num_buckets += 1
@@ -133,6 +145,7 @@ class TensorWeightSync:
             t0 = time.perf_counter()
             end_weight_sync(clients)
             session += time.perf_counter() - t0
+            mark(("closed", time.time()))
         finally:
             stop.set()
             producer.join(timeout=None if sys.exc_info()[0] is None else 60.0)
@@ -159,11 +172,13 @@ class TensorWeightSync:
         ready: queue.Queue[Any],
         stop: threading.Event,
         seconds: dict[str, float],
+        mark: Callable[[tuple[str, float]], None],
     ) -> None:
         """The packer thread: (bytes, payload, flat tensor) per bucket into `ready`, then None (or the exception
         raised). The sender keeps each flat tensor alive until its post returned: the engines read it in place."""
 
         def put(item: Any) -> bool:
+            mark(("ready", time.time()))
             while not stop.is_set():
                 try:
                     ready.put(item, timeout=0.1)
@@ -173,17 +188,11 @@ class TensorWeightSync:
             return False
 
         try:
+            in_place: list[tuple[torch.Tensor, list[Any], int]] = []
             if isinstance(named_tensors, LiveWeights) and named_tensors.hand_over:  # read where they lie: no copy
                 t0 = time.perf_counter()
-                in_place, named_tensors = in_place_buckets(named_tensors)
+                in_place, named_tensors = named_tensors.split_in_place()
                 seconds["export"] += time.perf_counter() - t0
-                for flat, meta, nbytes in in_place:
-                    t0 = time.perf_counter()
-                    payload = serialize({"flattened_tensor": flat, "metadata": meta}) if self.groups else None
-                    seconds["pack"] += time.perf_counter() - t0
-                    if not put((nbytes, payload, flat)):
-                        return
-                del in_place
             it = iter(named_tensors)
 
             def timed() -> Iterator[Item]:
@@ -208,6 +217,15 @@ class TensorWeightSync:
                 if not put((nbytes, payload, flat)):
                     return
                 del flat, payload
+            # the storages read in place go last: the copies above are then launched first and run on the GPU
+            # while the session opens, not while an engine copies out of the first post (one GPU, two processes)
+            for flat, meta, nbytes in in_place:
+                t0 = time.perf_counter()
+                payload = serialize({"flattened_tensor": flat, "metadata": meta}) if self.groups else None
+                seconds["pack"] += time.perf_counter() - t0
+                if not put((nbytes, payload, flat)):
+                    return
+            del in_place
             put(None)
         except BaseException as e:  # noqa: BLE001 - handed to the posting thread, which raises it
             put(e)
