@@ -100,14 +100,15 @@ def sync_parts(trainer: Any, off: Any, url: str, version: int, repeats: int, req
     """Seconds of each part of a live sync on its own (see the module docstring, item 5), medians:
     `split`: finding the tensors read in place (`in_place_buckets`); `serialize_in_place` / `post_in_place`: their
     payload (IPC handles of the trainer's own buffers) and its post; `alloc` / `copy` / `serialize` / `post`: the
-    packed rest (the strided q/k/v views); `copy_all` / `copy_all_plain`: for comparison, every tensor packed into
+    packed rest (the strided q/k/v views) by a copy per tensor, and `gather`: the same by row gathers (allocation
+    included), as syncs pack it; `copy_all` / `copy_all_plain`: for comparison, every tensor packed into
     one flat buffer (as syncs did before reading in place), from the trainer's views and from plain CUDA twins of
     them; `engine_*`: the engine's own account of the posts (`unpickle` opens the IPC handle; `views` cuts the
     tensors out; `decode` is both plus the hop to its worker thread; `load` is the copy into its parameters,
     synchronized)."""
     import torch
 
-    from slime.backends.megatron.weight_buckets import flatten, in_place_buckets, new_buffer
+    from slime.backends.megatron.weight_buckets import GatherPlan, flatten, in_place_buckets, new_buffer
     from slime.backends.megatron.weight_sync import serialize
     from slime.backends.sglang.client import SGLangClient, begin_weight_sync, end_weight_sync
 
@@ -149,11 +150,13 @@ def sync_parts(trainer: Any, off: Any, url: str, version: int, repeats: int, req
         post("post_in_place", payload)
         buffer = timed("alloc", lambda r=rest: new_buffer(r))
         flat, meta = timed("copy", lambda b=buffer, r=rest: flatten(r, b))
+        plan = GatherPlan.of(rest)
+        timed("gather", plan.pack)  # what a sync packs with (`LiveWeights.plan`): allocation and row gathers
         payload = timed("serialize", lambda f=flat, m=meta: serialize({"flattened_tensor": f, "metadata": m}))
         post("post", payload)
         for _ in range(10):
             timed("round_trip", lambda: client.request("GET", "/get_server_info"))
-        del buffer, flat, payload, in_place, rest
+        del buffer, flat, payload, in_place, rest, plan
     client.close()
     del plain
     off.sleep()

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sim.fake_sglang.weights import decode_payload
-from slime.backends.megatron.weight_buckets import flatten, in_place_buckets, new_buffer
+from slime.backends.megatron.weight_buckets import GatherPlan, flatten, in_place_buckets, new_buffer
 from slime.backends.megatron.weight_sync import serialize
 from tests.hypothesis_budget import examples
 
@@ -90,3 +90,50 @@ def test_in_place_buckets_decode_to_the_same_bits(sizes, gaps, order, seed):
     assert list(got) == [n for n, _ in items]
     for name, t in items:
         assert torch.equal(_bits(got[name]), _bits(t))
+
+
+@st.composite
+def views_of_one_storage(draw: st.DrawFn) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
+    """Views of one random-bits storage, laid anywhere in it: column blocks of grouped 3-D blocks (q/k/v of a
+    fused QKV), transposes (runs of one element), contiguous slices, size-1 dimensions."""
+    dtype = draw(st.sampled_from(DTYPES))
+    storage = _random_bits((4096,), dtype, draw(st.integers(0, 2**31)))
+    views = []
+    for i in range(draw(st.integers(1, 8))):
+        kind = draw(st.sampled_from(["block", "transpose", "slice", "unit"]))
+        g, r, c = draw(st.integers(1, 4)), draw(st.integers(1, 6)), draw(st.integers(1, 16))
+        at = draw(st.integers(0, 4096 - g * r * c))
+        base = storage[at : at + g * r * c]
+        if kind == "block":
+            a = draw(st.integers(0, r - 1))
+            view = base.view(g, r, c)[:, a : draw(st.integers(a + 1, r))]
+        elif kind == "transpose":
+            view = base.view(g * r, c).t()
+        elif kind == "slice":
+            view = base
+        else:
+            view = base.view(g, 1, r * c)[:, :, : draw(st.integers(1, r * c))]
+        views.append((f"t{i}", view))
+    return storage, views
+
+
+@settings(max_examples=examples(200))
+@given(views_of_one_storage())
+def test_gather_plan_packs_the_bits_flatten_packs(case):
+    """A row gather per run length packs every view's row-major values, as a copy per view does."""
+    storage, views = case
+    plan = GatherPlan.of(views)
+    assert plan is not None
+    flat, meta = plan.pack()
+    assert flat.untyped_storage().data_ptr() != storage.untyped_storage().data_ptr()  # a new bucket
+    assert sorted(m.name for m in meta) == sorted(n for n, _ in views)
+    got = dict(decode_payload([serialize({"flattened_tensor": flat, "metadata": meta})], "flattened_bucket"))
+    for name, view in views:
+        assert got[name].shape == view.shape
+        assert torch.equal(_bits(got[name]), _bits(view))
+
+
+def test_gather_plan_declines_what_it_cannot_pack():
+    a, b = torch.zeros(8), torch.zeros(8)
+    assert GatherPlan.of([("a", a), ("b", b)]) is None  # two storages
+    assert GatherPlan.of([("a", a[:4], torch.Size([4]), torch.bfloat16)]) is None  # a cast

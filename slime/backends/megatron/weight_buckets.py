@@ -53,16 +53,19 @@ class LiveWeights(list):
     def __init__(self, items: Iterable[Item] = (), hand_over: bool = False) -> None:
         super().__init__(items)
         self.hand_over = hand_over
-        self._plan: tuple[list[_Group], list[Item]] | None = None
+        self._plans: dict[int, tuple[list[_Group], list[tuple[list[Item], GatherPlan | None]]]] = {}
 
-    def split_in_place(self) -> tuple[list[tuple[torch.Tensor, list[Any], int]], list[Item]]:
-        """`in_place_buckets(self)` with its Python (a pass over every view) done once: kept views never change
-        storage, offset or shape, so a later sync only makes each storage's flat view again (its size is read
-        anew: the offloader may have resized the storage in between)."""
-        if self._plan is None or not all(shareable_in_place(g.source) for g in self._plan[0]):
-            self._plan = _in_place_plan(self)
-        groups, rest = self._plan
-        return [(g.flat(), g.meta, g.nbytes) for g in groups], rest
+    def plan(self, bucket_bytes: int) -> tuple[list[_Group], list[tuple[list[Item], GatherPlan | None]]]:
+        """How a sync sends these views, worked out once per bucket size (kept views never change storage,
+        offset or shape; a pass over hundreds of them in Python costs ~1 ms a sync): the storages read in place
+        (with `hand_over`; `_Group.flat` reads each storage's size anew, the offloader may resize it) and the
+        buckets to pack, each with its `GatherPlan` where one can pack it."""
+        cached = self._plans.get(bucket_bytes)
+        if cached is None or not all(shareable_in_place(g.source) for g in cached[0]):
+            groups, rest = _in_place_plan(self) if self.hand_over else ([], list(self))
+            cached = groups, [(b, GatherPlan.of(b)) for b in buckets_by_dtype(rest, bucket_bytes)]
+            self._plans[bucket_bytes] = cached
+        return cached
 
 
 def shareable_in_place(t: torch.Tensor) -> bool:
@@ -165,6 +168,65 @@ def flatten(bucket: list[Item], buffer: torch.Tensor | None = None) -> tuple[tor
     slots = [flat[m.start_idx : m.end_idx].view(t.shape) for m, (_, t, _, _) in zip(meta, specs, strict=True)]
     torch._foreach_copy_(slots, [t.detach() for _, t, _, _ in specs])  # one grouped launch, not one per tensor
     return flat, meta
+
+
+def _runs(t: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """`t`'s elements in row-major order as runs contiguous in its storage: (run length, each run's start)."""
+    run, dims = 1, len(t.shape)
+    while dims and (t.stride(dims - 1) == run or t.shape[dims - 1] == 1):
+        run *= t.shape[dims - 1]
+        dims -= 1
+    starts = torch.tensor([t.storage_offset()], dtype=torch.int64)
+    for size, stride in zip(t.shape[:dims], t.stride()[:dims], strict=True):
+        starts = (starts[:, None] + torch.arange(size, dtype=torch.int64) * stride).reshape(-1)
+    return run, starts
+
+
+@dataclass
+class GatherPlan:
+    """A bucket of strided views of one storage, packed by one row gather per run length instead of a copy per
+    tensor: q/k/v of every fused QKV are runs of whole heads (`hf_weights.qkv_views`), a few thousand rows in
+    all. Why: per-tensor copies cost ~10 us of launch and dispatch each on the host (hundreds per sync, holding
+    the GIL the session's round trips wait for) and run at a fraction of the GPU's bandwidth."""
+
+    source: torch.Tensor  # one of the bucket's tensors: the storage every run is read from
+    dtype: torch.dtype
+    meta: list[Any]  # where each tensor lies in the packed bucket (grouped by run length, not in bucket order)
+    gathers: list[tuple[int, int, torch.Tensor]]  # (run length, where its rows start in the bucket, row starts)
+    numel: int
+
+    @classmethod
+    def of(cls, bucket: list[Item]) -> GatherPlan | None:
+        """The plan, or None where a gather cannot pack this bucket (tensors of several storages, a dtype cast)."""
+        specs = [_spec(item) for item in bucket]
+        _, first, _, dtype = specs[0]
+        key = first.untyped_storage().data_ptr()
+        if any(t.dtype != dtype or t.untyped_storage().data_ptr() != key for _, t, _, _ in specs):
+            return None
+        by_run: dict[int, list[tuple[str, torch.Size, torch.Tensor]]] = {}
+        for name, t, shape, _ in specs:
+            run, starts = _runs(t)
+            by_run.setdefault(run, []).append((name, shape, starts))
+        meta, gathers, cursor, kind = [], [], 0, _metadata_class()
+        for run, members in by_run.items():
+            rows = torch.cat([starts for _, _, starts in members])
+            gathers.append((run, cursor, rows.pin_memory() if first.is_cuda else rows))  # pinned: uploads async
+            for name, shape, _ in members:
+                meta.append(kind(name, shape, dtype, cursor, cursor + shape.numel(), shape.numel()))
+                cursor += shape.numel()
+        return cls(first, dtype, meta, gathers, cursor)
+
+    def pack(self) -> tuple[torch.Tensor, list[Any]]:
+        """A new flat tensor holding the bucket (`flatten`'s result, in the plan's order)."""
+        storage = self.source.untyped_storage()
+        whole = torch.empty(0, dtype=self.dtype, device=self.source.device)
+        whole.set_(storage, 0, (storage.nbytes() // self.dtype.itemsize,))
+        flat = torch.empty(self.numel, dtype=self.dtype, device=self.source.device)
+        for run, at, starts in self.gathers:
+            rows = starts.to(flat.device, non_blocking=True)
+            # every window of `run` elements of the storage is a row of this view: the gather reads whole runs
+            torch.index_select(whole.unfold(0, run, 1), 0, rows, out=flat[at : at + rows.numel() * run].view(-1, run))
+        return flat, self.meta
 
 
 def bucket_nbytes(bucket: list[Item]) -> int:

@@ -98,8 +98,8 @@ class TensorWeightSync:
         Pipelined: a thread converts and packs the buckets (`_produce`) while this one opens the session and posts
         the bucket before, so the engines' work and the HTTP round trips hide the export's. At most two packed
         buckets wait, so the memory bound stays a few buckets. Live weights handed over (`LiveWeights.hand_over`)
-        are read where they lie (`LiveWeights.split_in_place`: no copy, no memory) and posted last; the strided and
-        cast ones are packed first.
+        are read where they lie (no copy, no memory) and posted last; the strided and cast ones are packed first, by
+        row gathers where they can be (`LiveWeights.plan`).
 
         `self.trace`, when a list, receives (event, `time.time()`) pairs: the session opened and closed, each
         payload ready and each post's start and end (`bench/gpu_weight_sync.py` lays them beside the engine's
@@ -187,12 +187,29 @@ class TensorWeightSync:
                     continue
             return False
 
+        def send(flat: torch.Tensor, meta: list[Any], nbytes: int, t0: float) -> bool:
+            payload = serialize({"flattened_tensor": flat, "metadata": meta}) if self.groups else None
+            seconds["pack"] += time.perf_counter() - t0
+            return put((nbytes, payload, flat))
+
         try:
-            in_place: list[tuple[torch.Tensor, list[Any], int]] = []
-            if isinstance(named_tensors, LiveWeights) and named_tensors.hand_over:  # read where they lie: no copy
+            if isinstance(named_tensors, LiveWeights):  # kept views: the plan is made once (`LiveWeights.plan`)
                 t0 = time.perf_counter()
-                in_place, named_tensors = named_tensors.split_in_place()
+                in_place, packed = named_tensors.plan(self.bucket_bytes)
                 seconds["export"] += time.perf_counter() - t0
+                for bucket, gather in packed:
+                    t0 = time.perf_counter()
+                    flat, meta = gather.pack() if gather is not None else flatten(bucket, new_buffer(bucket))
+                    if not send(flat, meta, bucket_nbytes(bucket), t0):
+                        return
+                    del flat
+                # the storages read in place go last: the packing above is then launched first and runs on the GPU
+                # while the session opens, not beside an engine's copy out of the first post (one GPU, two processes)
+                for group in in_place:
+                    if not send(group.flat(), group.meta, group.nbytes, time.perf_counter()):
+                        return
+                put(None)
+                return
             it = iter(named_tensors)
 
             def timed() -> Iterator[Item]:
@@ -208,24 +225,10 @@ class TensorWeightSync:
                 t0 = time.perf_counter()
                 # a new buffer per bucket, never a reused one: torch keeps a block shared over CUDA IPC out of its
                 # allocator's reach until the engine has let go of it, whatever the engine's stream is still doing
-                buffer = new_buffer(bucket)
-                flat, meta = flatten(bucket, buffer)
-                payload = serialize({"flattened_tensor": flat, "metadata": meta}) if self.groups else None
-                seconds["pack"] += time.perf_counter() - t0
-                nbytes = bucket_nbytes(bucket)
-                del bucket, buffer
-                if not put((nbytes, payload, flat)):
+                flat, meta = flatten(bucket, new_buffer(bucket))
+                if not send(flat, meta, bucket_nbytes(bucket), t0):
                     return
-                del flat, payload
-            # the storages read in place go last: the copies above are then launched first and run on the GPU
-            # while the session opens, not while an engine copies out of the first post (one GPU, two processes)
-            for flat, meta, nbytes in in_place:
-                t0 = time.perf_counter()
-                payload = serialize({"flattened_tensor": flat, "metadata": meta}) if self.groups else None
-                seconds["pack"] += time.perf_counter() - t0
-                if not put((nbytes, payload, flat)):
-                    return
-            del in_place
+                del bucket, flat
             put(None)
         except BaseException as e:  # noqa: BLE001 - handed to the posting thread, which raises it
             put(e)
