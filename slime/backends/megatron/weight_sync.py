@@ -142,6 +142,7 @@ class TensorWeightSync:
                     num_bytes += bucket_bytes * len(self.clients)
                 num_buckets += 1
                 del item, payload, _flat  # the engines have copied it: the bucket's memory may go
+                mark((f"freed {num_buckets - 1}", time.time()))
             t0 = time.perf_counter()
             end_weight_sync(clients)
             session += time.perf_counter() - t0
