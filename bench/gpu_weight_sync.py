@@ -10,6 +10,7 @@ What it runs (one GPU, megatron-core; no Ray, no router):
    `--update-weight-buffer-size` → `TensorWeightSync` → `/update_weights_from_tensor`), the session included:
    - **live**: as `slime train` syncs after a train call — the trainer half asleep (optimizer state and grads
      released), the weights read on the GPU; then the second half of the sleep, timed apart;
+   - **packed**: live, but every tensor packed into buckets (row gathers), none read in place;
    - **host**: as at start-up — the trainer asleep, the weights moved back from its pinned host copy;
    and the last live sync event by event, both sides (`timeline`: where its milliseconds go);
 4. the floor: one flat bf16 tensor of the same bytes handed to a second process (pickled as CUDA IPC handles,
@@ -185,6 +186,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = p.parse_args(argv)
 
     from sim.fake_sglang.testing import launch_fake_sglang
+    from slime.backends.megatron.weight_buckets import LiveWeights
     from slime.backends.megatron.weight_hash import WeightMismatch, check_engines, trainer_weight_checksums
     from slime.backends.megatron.weight_sync import TensorWeightSync
 
@@ -198,7 +200,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with launch_fake_sglang(engine_args, timeout=600) as eng:
         for bucket in sizes:
             sync = TensorWeightSync([eng.url], bucket)
-            runs: dict[str, list[dict[str, float]]] = {"live": [], "host": []}
+            runs: dict[str, list[dict[str, float]]] = {"live": [], "host": [], "packed": []}
+            packed_views = None
             release: list[float] = []
             for i in range(a.repeats + 1):  # the first of each way opens connections and warms the allocator
                 off.wake_up()
@@ -220,6 +223,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 h["total_s"] = time.perf_counter() - t0
                 if i:
                     runs["host"].append(h)
+                off.wake_up()
+                off.sleep(keep_weights=True)
+                if packed_views is None:  # the same kept views, not handed over: every tensor packed (row gathers)
+                    packed_views = LiveWeights(trainer.weights_for_sync(), hand_over=False)
+                t0 = time.perf_counter()
+                p = sync.sync(packed_views, version := version + 1)
+                p["total_s"] = time.perf_counter() - t0
+                off.sleep()
+                if i:
+                    runs["packed"].append(p)
                 log(
                     f"buckets of {bucket / 2**20:.0f} MiB, sync {i}: live {m['total_s']:.4f}s host {h['total_s']:.4f}s"
                 )
@@ -263,7 +276,11 @@ def report(res: dict[str, Any]) -> str:
         f"| bare IPC hand-off (floor) | {gb * 1e9 / 2**20:.0f} | {floor:.4f} | {gb / floor:.0f} | 1.00 | | | | | | 1 |",
     ]
     for bucket, entry in res["by_bucket"].items():
-        for way, label in (("live", "live GPU weights (after a train call)"), ("host", "pinned host copy (asleep)")):
+        for way, label in (
+            ("live", "live GPU weights (after a train call)"),
+            ("packed", "the same, every tensor packed (no hand-over)"),
+            ("host", "pinned host copy (asleep)"),
+        ):
             r = entry[way]
             lines.append(
                 f"| {label} | {int(bucket) / 2**20:.0f} | {r['total_s']:.4f} | {gb / r['total_s']:.0f} | "

@@ -14,7 +14,9 @@ The session around the buckets (pause, flush, begin ... end, continue) is `slime
 from __future__ import annotations
 
 import base64
+import collections
 import io
+import itertools
 import logging
 import pickle
 import queue
@@ -97,9 +99,9 @@ class TensorWeightSync:
 
         Pipelined: a thread converts and packs the buckets (`_produce`) while this one opens the session and posts
         the bucket before, so the engines' work and the HTTP round trips hide the export's. At most two packed
-        buckets wait, so the memory bound stays a few buckets. Live weights handed over (`LiveWeights.hand_over`)
-        are read where they lie (no copy, no memory) and posted last; the strided and cast ones are packed first, by
-        row gathers where they can be (`LiveWeights.plan`).
+        buckets wait, so the memory bound stays a few buckets. Kept views (`LiveWeights`) need no conversion and are
+        packed here, without a thread (`_live_payloads`): by row gathers where they can be, and where handed over
+        (`LiveWeights.hand_over`) read where they lie (no copy, no memory) and posted last.
 
         `self.trace`, when a list, receives (event, `time.time()`) pairs: the session opened and closed, each
         payload ready and each post's start and end (`bench/gpu_weight_sync.py` lays them beside the engine's
@@ -109,27 +111,48 @@ class TensorWeightSync:
         mark(("start", time.time()))
         t_start = time.perf_counter()
         seconds = {"export": 0.0, "pack": 0.0, "post": 0.0, "wait": 0.0}
-        ready: queue.Queue[Any] = queue.Queue(maxsize=2)
         stop = threading.Event()
-        producer = threading.Thread(
-            target=self._produce,
-            args=(named_tensors, ready, stop, seconds, mark),
-            name="weight-sync-pack",
-            daemon=True,
-        )
-        producer.start()
+        producer: threading.Thread | None = None
+        if isinstance(named_tensors, LiveWeights):
+            # kept views need no conversion and pack in a few launches: no thread, whose Python would hold the GIL
+            # the session's round trips wait for. The first two payloads are made before the session opens (their
+            # gathers run on the GPU meanwhile), each later one once a post has let its bucket go.
+            payloads = self._live_payloads(named_tensors, seconds)
+            ahead = collections.deque(itertools.islice(payloads, 2))
+            for _ in ahead:
+                mark(("ready", time.time()))
+
+            def take() -> Any:
+                t0 = time.perf_counter()
+                if len(ahead) < 2 and (more := next(payloads, None)) is not None:
+                    ahead.append(more)
+                    mark(("ready", time.time()))
+                seconds["wait"] += time.perf_counter() - t0
+                return ahead.popleft() if ahead else None
+
+        else:
+            ready: queue.Queue[Any] = queue.Queue(maxsize=2)
+            producer = threading.Thread(
+                target=self._produce,
+                args=(named_tensors, ready, stop, seconds, mark),
+                name="weight-sync-pack",
+                daemon=True,
+            )
+            producer.start()
+
+            def take() -> Any:
+                t0 = time.perf_counter()
+                item = ready.get()
+                seconds["wait"] += time.perf_counter() - t0
+                return item
+
         num_bytes = num_buckets = 0
         try:
             t0 = time.perf_counter()
             begin_weight_sync(clients)
             session = time.perf_counter() - t0
             mark(("opened", time.time()))
-            while True:
-                t0 = time.perf_counter()
-                item = ready.get()
-                seconds["wait"] += time.perf_counter() - t0
-                if item is None:
-                    break
+            while (item := take()) is not None:
                 if isinstance(item, BaseException):
                     raise item
                 bucket_bytes, payload, _flat = item  # _flat: alive until the engines have copied out of it
@@ -149,9 +172,10 @@ class TensorWeightSync:
             mark(("closed", time.time()))
         finally:
             stop.set()
-            producer.join(timeout=None if sys.exc_info()[0] is None else 60.0)
-            if producer.is_alive():  # stuck in a collective whose peer failed too: let the error through
-                logger.warning("weight sync: the packer thread is still running after the sync failed")
+            if producer is not None:
+                producer.join(timeout=None if sys.exc_info()[0] is None else 60.0)
+                if producer.is_alive():  # stuck in a collective whose peer failed too: let the error through
+                    logger.warning("weight sync: the packer thread is still running after the sync failed")
         total = time.perf_counter() - t_start
         if clients:
             logger.info("weight version %d: %d buckets, %.1f MiB to %d engine(s) in %.3fs", weight_version,
@@ -194,23 +218,6 @@ class TensorWeightSync:
             return put((nbytes, payload, flat))
 
         try:
-            if isinstance(named_tensors, LiveWeights):  # kept views: the plan is made once (`LiveWeights.plan`)
-                t0 = time.perf_counter()
-                in_place, packed = named_tensors.plan(self.bucket_bytes)
-                seconds["export"] += time.perf_counter() - t0
-                for bucket, gather in packed:
-                    t0 = time.perf_counter()
-                    flat, meta = gather.pack() if gather is not None else flatten(bucket, new_buffer(bucket))
-                    if not send(flat, meta, bucket_nbytes(bucket), t0):
-                        return
-                    del flat
-                # the storages read in place go last: the packing above is then launched first and runs on the GPU
-                # while the session opens, not beside an engine's copy out of the first post (one GPU, two processes)
-                for group in in_place:
-                    if not send(group.flat(), group.meta, group.nbytes, time.perf_counter()):
-                        return
-                put(None)
-                return
             it = iter(named_tensors)
 
             def timed() -> Iterator[Item]:
@@ -233,6 +240,26 @@ class TensorWeightSync:
             put(None)
         except BaseException as e:  # noqa: BLE001 - handed to the posting thread, which raises it
             put(e)
+
+    def _live_payloads(self, live: LiveWeights, seconds: dict[str, float]) -> Iterator[tuple[int, Any, torch.Tensor]]:
+        """(bytes, payload, flat tensor) per bucket of kept views (`LiveWeights.plan`, made once): the packed
+        buckets first, then the storages read in place — the packing is then launched first and runs on the GPU
+        while the session opens, not beside an engine's copy out of an earlier post (one GPU, two processes)."""
+        t0 = time.perf_counter()
+        in_place, packed = live.plan(self.bucket_bytes)
+        seconds["export"] += time.perf_counter() - t0
+        for bucket, gather in packed:
+            t0 = time.perf_counter()
+            flat, meta = gather.pack() if gather is not None else flatten(bucket, new_buffer(bucket))
+            payload = serialize({"flattened_tensor": flat, "metadata": meta}) if self.groups else None
+            seconds["pack"] += time.perf_counter() - t0
+            yield bucket_nbytes(bucket), payload, flat
+        for group in in_place:
+            t0 = time.perf_counter()
+            flat = group.flat()
+            payload = serialize({"flattened_tensor": flat, "metadata": group.meta}) if self.groups else None
+            seconds["pack"] += time.perf_counter() - t0
+            yield group.nbytes, payload, flat
 
     def _post(self, payload: str | None, weight_version: int) -> None:
         """This rank's payload of one bucket to each of its engines (gathered to the engine's leader first)."""
