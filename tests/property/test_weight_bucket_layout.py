@@ -133,7 +133,11 @@ def test_gather_plan_packs_the_bits_flatten_packs(case):
         assert torch.equal(_bits(got[name]), _bits(view))
 
 
-def test_gather_plan_declines_what_it_cannot_pack():
+def test_gather_plan_declines_what_it_cannot_or_should_not_pack():
     a, b = torch.zeros(8), torch.zeros(8)
     assert GatherPlan.of([("a", a), ("b", b)]) is None  # two storages
     assert GatherPlan.of([("a", a[:4], torch.Size([4]), torch.bfloat16)]) is None  # a cast
+    assert GatherPlan.of([("a", a[:4]), ("empty", a[4:4])]) is None  # an empty tensor
+    wide = torch.zeros(512, 1024)
+    assert GatherPlan.of([("t", wide.t())]) is None  # runs of one element: a 4 MiB index for a 2 MiB tensor
+    assert GatherPlan.of([("rows", wide[:, :512])]) is not None  # runs of 512: a 4 KiB index

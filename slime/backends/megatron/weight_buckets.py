@@ -186,8 +186,9 @@ def _runs(t: torch.Tensor) -> tuple[int, torch.Tensor]:
 class GatherPlan:
     """A bucket of strided views of one storage, packed by one row gather per run length instead of a copy per
     tensor: q/k/v of every fused QKV are runs of whole heads (`hf_weights.qkv_views`), a few thousand rows in
-    all. Why: per-tensor copies cost ~10 us of launch and dispatch each on the host (hundreds per sync, holding
-    the GIL the session's round trips wait for) and run at a fraction of the GPU's bandwidth."""
+    all. Why: a copy per tensor costs ~10 us of launch and dispatch on the host (hundreds per sync), and the
+    strided ones ran at a third of the speed (the 604 MB of q/k/v of a 1.8B model: 2.9 ms against 1.0 ms,
+    docs/performance.md)."""
 
     source: torch.Tensor  # one of the bucket's tensors: the storage every run is read from
     dtype: torch.dtype
@@ -197,16 +198,21 @@ class GatherPlan:
 
     @classmethod
     def of(cls, bucket: list[Item]) -> GatherPlan | None:
-        """The plan, or None where a gather cannot pack this bucket (tensors of several storages, a dtype cast)."""
+        """The plan, or None where a gather cannot pack this bucket (tensors of several storages, a dtype cast, an
+        empty tensor) or should not: runs so short (a transposed weight: one element each) that the index of row
+        starts would outweigh the copies it saves (over 1 MiB and over 1/16 of the bucket's bytes)."""
         specs = [_spec(item) for item in bucket]
         _, first, _, dtype = specs[0]
         key = first.untyped_storage().data_ptr()
-        if any(t.dtype != dtype or t.untyped_storage().data_ptr() != key for _, t, _, _ in specs):
+        if any(t.dtype != dtype or t.untyped_storage().data_ptr() != key or t.numel() == 0 for _, t, _, _ in specs):
             return None
         by_run: dict[int, list[tuple[str, torch.Size, torch.Tensor]]] = {}
         for name, t, shape, _ in specs:
             run, starts = _runs(t)
             by_run.setdefault(run, []).append((name, shape, starts))
+        index_bytes = 8 * sum(starts.numel() for members in by_run.values() for _, _, starts in members)
+        if index_bytes > max(1 << 20, bucket_nbytes(bucket) // 16):
+            return None
         meta, gathers, cursor, kind = [], [], 0, _metadata_class()
         for run, members in by_run.items():
             rows = torch.cat([starts for _, _, starts in members])

@@ -114,9 +114,9 @@ class TensorWeightSync:
         stop = threading.Event()
         producer: threading.Thread | None = None
         if isinstance(named_tensors, LiveWeights):
-            # kept views need no conversion and pack in a few launches: no thread, whose Python would hold the GIL
-            # the session's round trips wait for. The first two payloads are made before the session opens (their
-            # gathers run on the GPU meanwhile), each later one once a post has let its bucket go.
+            # kept views need no conversion and pack in a few launches, so no thread: the payloads come in a fixed
+            # order from this one. The first two are made before the session opens (their gathers run on the GPU
+            # meanwhile), each later one once a post has let its bucket go.
             payloads = self._live_payloads(named_tensors, seconds)
             ahead = collections.deque(itertools.islice(payloads, 2))
             for _ in ahead:
