@@ -52,7 +52,7 @@ def report(rows: list[dict[str, float]]) -> str:
     lines = ["| slept before the request | median | p90 | × the first row |", "|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['gap_s'] * 1e3:.0f} ms | {r['median_s'] * 1e3:.3f} ms | {r['p90_s'] * 1e3:.3f} ms | "
+            f"| {r['gap_s'] * 1e3:g} ms | {r['median_s'] * 1e3:.3f} ms | {r['p90_s'] * 1e3:.3f} ms | "
             f"{r['median_s'] / base:.2f} |"
         )
     return "\n".join(lines)
