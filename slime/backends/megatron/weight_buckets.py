@@ -85,10 +85,13 @@ class _Group:
     nbytes: int
 
     def flat(self) -> torch.Tensor:
-        """A 1-D view of the whole storage, in the group's dtype."""
-        storage = self.source.untyped_storage()
-        size = (storage.nbytes() // self.dtype.itemsize,)
-        return torch.empty(0, dtype=self.dtype, device=self.source.device).set_(storage, 0, size)
+        return _whole_storage(self.source, self.dtype)
+
+
+def _whole_storage(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D view of all of `t`'s storage in `dtype`, its size read now (the offloader may have resized it)."""
+    storage = t.untyped_storage()
+    return torch.empty(0, dtype=dtype, device=t.device).set_(storage, 0, (storage.nbytes() // dtype.itemsize,))
 
 
 def _in_place_plan(items: Iterable[Item]) -> tuple[list[_Group], list[Item]]:
@@ -224,9 +227,7 @@ class GatherPlan:
 
     def pack(self) -> tuple[torch.Tensor, list[Any]]:
         """A new flat tensor holding the bucket (`flatten`'s result, in the plan's order)."""
-        storage = self.source.untyped_storage()
-        whole = torch.empty(0, dtype=self.dtype, device=self.source.device)
-        whole.set_(storage, 0, (storage.nbytes() // self.dtype.itemsize,))
+        whole = _whole_storage(self.source, self.dtype)
         flat = torch.empty(self.numel, dtype=self.dtype, device=self.source.device)
         for run, at, starts in self.gathers:
             rows = starts.to(flat.device, non_blocking=True)

@@ -213,7 +213,7 @@ class TensorWeightSync:
             return False
 
         def send(flat: torch.Tensor, meta: list[Any], nbytes: int, t0: float) -> bool:
-            payload = serialize({"flattened_tensor": flat, "metadata": meta}) if self.groups else None
+            payload = self._payload(flat, meta)
             seconds["pack"] += time.perf_counter() - t0
             return put((nbytes, payload, flat))
 
@@ -251,15 +251,19 @@ class TensorWeightSync:
         for bucket, gather in packed:
             t0 = time.perf_counter()
             flat, meta = gather.pack() if gather is not None else flatten(bucket, new_buffer(bucket))
-            payload = serialize({"flattened_tensor": flat, "metadata": meta}) if self.groups else None
+            payload = self._payload(flat, meta)
             seconds["pack"] += time.perf_counter() - t0
             yield bucket_nbytes(bucket), payload, flat
         for group in in_place:
             t0 = time.perf_counter()
             flat = group.flat()
-            payload = serialize({"flattened_tensor": flat, "metadata": group.meta}) if self.groups else None
+            payload = self._payload(flat, group.meta)
             seconds["pack"] += time.perf_counter() - t0
             yield group.nbytes, payload, flat
+
+    def _payload(self, flat: torch.Tensor, meta: list[Any]) -> str | None:
+        """One bucket as SGLang's flattened-bucket payload; None on a rank that posts to no engine."""
+        return serialize({"flattened_tensor": flat, "metadata": meta}) if self.groups else None
 
     def _post(self, payload: str | None, weight_version: int) -> None:
         """This rank's payload of one bucket to each of its engines (gathered to the engine's leader first)."""
