@@ -105,7 +105,7 @@ def sync_parts(trainer: Any, off: Any, url: str, version: int, repeats: int, req
     included), as syncs pack it; `copy_all` / `copy_all_plain`: for comparison, every tensor packed into
     one flat buffer (as syncs did before reading in place), from the trainer's views and from plain CUDA twins of
     them; `engine_*`: the engine's own account of the posts (`unpickle` opens the IPC handle; `views` cuts the
-    tensors out; `decode` is both plus the hop to its worker thread; `load` is the copy into its parameters,
+    tensors out; `decode` is both; `load` is the copy into its parameters,
     synchronized)."""
     import torch
 

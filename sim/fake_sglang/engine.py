@@ -30,6 +30,7 @@ from sim.fake_sglang.protocol import (
     resolve_logprob_start,
 )
 from sim.fake_sglang.sampling import logprob_temperature, scripted_logprob
+from sim.fake_sglang.weights import Received
 
 # Per scored position: the log-prob of the prompt's next token, and the top-k (logprob, token_id) when asked.
 ScoredPrompt = tuple[list[float], list[list[tuple[float, int]]] | None]
@@ -259,6 +260,10 @@ class Engine(ABC):
     async def load_named_tensors(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Default: accept and discard (scripted / synthetic engines have no weights)."""
         logger.info("%s engine: ignoring %d tensors (no weights)", self.name, len(named))
+
+    async def load_received(self, received: Received) -> None:
+        """One post of `/update_weights_from_tensor` (weights.decode); engines with weights copy it in place."""
+        await self.load_named_tensors(received.named())
 
     async def load_from_disk(self, model_path: str) -> None:
         """Default: nothing to load."""

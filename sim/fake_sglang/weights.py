@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import base64
 import io
+import math
 import pickle
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.multiprocessing.reductions  # noqa: F401 - registers tensor reductions (the unpickler needs them)
@@ -72,42 +73,74 @@ def deserialize(data: str | bytes) -> Any:
     return _Unpickler(io.BytesIO(raw)).load()
 
 
-def decode_payload(
+class Received(NamedTuple):
+    """One post's tensors as the engine takes them: the names, the shapes they stand for, and the tensors — for a
+    flattened bucket 1-D slices of the sender's flat tensor (in the metadata's dtype), which the engine copies into
+    flat views of its parameters; otherwise the tensors as sent. Why slices and not views in shape: a sync sends
+    hundreds of tensors per post, and a `view(shape)` each (~2-3 us) was most of the decoding
+    (`bench/gpu_ipc_parts.py`)."""
+
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    tensors: list[torch.Tensor]
+
+    def named(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor in its shape) pairs."""
+        return [(n, t.view(s)) for n, s, t in zip(self.names, self.shapes, self.tensors, strict=True)]
+
+
+def decode(
     serialized: list[str | bytes], load_format: str | None, seconds: dict[str, float] | None = None
-) -> list[tuple[str, torch.Tensor]]:
-    """Receiver side: entry 0 of `serialized_named_tensors` -> list of (name, tensor).
+) -> Received:
+    """Receiver side: entry 0 of `serialized_named_tensors` -> `Received`.
 
     The tensors are views of the sender's memory (shared memory on CPU, a CUDA IPC mapping on GPU), valid until
     the request is answered: the engine copies them into its parameters, once, before it answers (as SGLang's
     loader does), so no intermediate copy is made here. `seconds` (optional) gets the unpickling's share
-    (`unpickle`: it opens the IPC handle) apart from building the views."""
+    (`unpickle`: it opens the IPC handle) apart from cutting the tensors out (`views`)."""
     if not serialized:
         raise ValueError("serialized_named_tensors is empty")
     t0 = time.perf_counter()
     obj = deserialize(serialized[0])
-    if seconds is not None:
-        seconds["unpickle"] = time.perf_counter() - t0
+    t1 = time.perf_counter()
     if load_format == FLATTENED_BUCKET:
-        views = _bucket_views(obj["flattened_tensor"], obj["metadata"])
-        if seconds is not None:
-            seconds["views"] = time.perf_counter() - t0 - seconds["unpickle"]
-        return views
-    if load_format not in (None, "direct"):
+        received = _bucket_slices(obj["flattened_tensor"], obj["metadata"])
+    elif load_format in (None, "direct"):
+        pairs = list(obj.items()) if isinstance(obj, dict) else list(obj)
+        received = Received([str(n) for n, _ in pairs], [tuple(t.shape) for _, t in pairs], [t for _, t in pairs])
+    else:
         raise ValueError(f"unsupported load_format {load_format!r} (expected null or 'flattened_bucket')")
-    if isinstance(obj, dict):
-        obj = list(obj.items())
-    return [(str(n), t) for n, t in obj]
+    if seconds is not None:
+        seconds["unpickle"], seconds["views"] = t1 - t0, time.perf_counter() - t1
+    return received
 
 
-def _bucket_views(flat: torch.Tensor, metadata: list[Any]) -> list[tuple[str, torch.Tensor]]:
-    """`flat[start_idx:end_idx].reshape(shape).to(dtype)` of every entry, the slices cut by one `split` call where
-    the entries do not overlap (a sync sends hundreds: one Python-level slice each is most of the decoding time)
-    — entries may come in any order with gaps between them (a trainer's buffer read in place)."""
-    fields = [_fields(m) for m in metadata]
-    order = sorted(range(len(fields)), key=lambda i: fields[i][1])
-    sizes, slot, cursor, numel = [], [0] * len(fields), 0, flat.numel()
+def decode_payload(
+    serialized: list[str | bytes], load_format: str | None, seconds: dict[str, float] | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """`decode` as (name, tensor in its shape) pairs."""
+    return decode(serialized, load_format, seconds).named()
+
+
+def _bucket_slices(flat: torch.Tensor, metadata: list[Any]) -> Received:
+    """`flat[start_idx:end_idx]` (`.to(dtype)` where the metadata says another dtype) of every entry, cut by one
+    `split` call where the entries do not overlap — entries may come in any order with gaps between them (a
+    trainer's buffer read in place). Each field is read by one pass over the entries (a function call per entry
+    costs as much as the rest)."""
+    if metadata and isinstance(metadata[0], dict):
+        names, starts, ends, shapes, dtypes = (
+            [m[k] for m in metadata] for k in ("name", "start_idx", "end_idx", "shape", "dtype")
+        )
+    else:
+        names, shapes, dtypes = [m.name for m in metadata], [m.shape for m in metadata], [m.dtype for m in metadata]
+        starts, ends = [m.start_idx for m in metadata], [m.end_idx for m in metadata]
+    shapes = [tuple(s) for s in shapes]
+    order = range(len(names))
+    if any(starts[i] > starts[i + 1] for i in range(len(starts) - 1)):
+        order = sorted(order, key=starts.__getitem__)
+    sizes, slot, cursor, numel = [], [0] * len(names), 0, flat.numel()
     for i in order:
-        _, start, end, _, _ = fields[i]
+        start, end = starts[i], ends[i]
         if start < cursor or end < start or end > numel:
             parts = None  # overlapping or out of range: slice one by one (slicing reports a bad range itself)
             break
@@ -119,18 +152,17 @@ def _bucket_views(flat: torch.Tensor, metadata: list[Any]) -> list[tuple[str, to
     else:
         if cursor < numel:
             sizes.append(numel - cursor)
-        parts = flat.split(sizes) if fields else ()
-    out = []
-    for i, (name, start, end, shape, dtype) in enumerate(fields):
-        t = (parts[slot[i]] if parts is not None else flat[start:end]).view(shape)
-        out.append((name, t if t.dtype == dtype else t.to(dtype)))
-    return out
-
-
-def _fields(m: Any) -> tuple[str, int, int, tuple[int, ...], torch.dtype]:
-    if isinstance(m, dict):
-        return m["name"], m["start_idx"], m["end_idx"], tuple(m["shape"]), m["dtype"]
-    return m.name, m.start_idx, m.end_idx, tuple(m.shape), m.dtype
+        parts = flat.split(sizes) if names else ()
+    if parts is not None:
+        tensors = [parts[k] for k in slot]
+    else:
+        tensors = [flat[a:b] for a, b in zip(starts, ends, strict=True)]
+    for i, (shape, n) in enumerate(zip(shapes, (t.numel() for t in tensors), strict=True)):
+        if n != math.prod(shape):
+            raise ValueError(f"{names[i]}: {n} elements between start_idx and end_idx for shape {list(shape)}")
+    if any(d != flat.dtype for d in dtypes):
+        tensors = [t if d == flat.dtype else t.to(d) for t, d in zip(tensors, dtypes, strict=True)]
+    return Received([str(n) for n in names], shapes, tensors)
 
 
 def build_update_body(

@@ -194,8 +194,11 @@ def test_kept_sync_views_send_exactly_what_the_export_sends(ckpt, tmp_path):
 
 def test_a_failed_post_stops_the_packer_thread(ckpt):
     """An engine that refuses a bucket fails the sync at once, and the packer thread (still holding packed buckets
-    to hand over) is stopped, not left blocked behind."""
+    to hand over) is stopped, not left blocked behind; the next bucket's answer, still due when the first was
+    refused (two posts in flight), is not read by the client's next call."""
     import threading
+
+    from slime.backends.sglang.client import end_weight_sync
 
     named = [(f"model.layers.{i}.nope.weight", torch.zeros(64)) for i in range(20)]  # one bucket each
     with launch_fake_sglang(["--engine", "hf", "--model-path", str(ckpt)]) as srv:
@@ -203,6 +206,7 @@ def test_a_failed_post_stops_the_packer_thread(ckpt):
         try:
             with pytest.raises(Exception, match="unknown parameter names"):
                 sync.sync(named, weight_version=1)
+            end_weight_sync(list(sync.clients.values()))  # answered for itself, not with the refused post's answer
         finally:
             sync.close()
     assert not [t for t in threading.enumerate() if t.name == "weight-sync-pack"]

@@ -41,7 +41,7 @@ from slime.backends.megatron.weight_buckets import (
     flatten,
     new_buffer,
 )
-from slime.backends.sglang.client import SGLangClient, begin_weight_sync, end_weight_sync
+from slime.backends.sglang.client import SGLangClient, end_weight_sync, start_weight_sync
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +97,11 @@ class TensorWeightSync:
     def sync(self, named_tensors: Iterable[Item], weight_version: int) -> dict[str, float]:
         """Every rank calls this with the same stream of HF-named tensors; returns what the leaders posted.
 
-        Pipelined: a thread converts and packs the buckets (`_produce`) while this one opens the session and posts
-        the bucket before, so the engines' work and the HTTP round trips hide the export's. At most two packed
-        buckets wait, so the memory bound stays a few buckets. Kept views (`LiveWeights`) need no conversion and are
+        Pipelined: the session's opening calls are written first and answered while the first buckets are packed;
+        a thread converts and packs the buckets (`_produce`) while this one posts, two posts in flight (the next
+        written before the engines answered the one before, `SGLangClient.send`), so the engines' work and the
+        HTTP round trips hide the export's. At most one packed bucket waits beside the two in flight and the one
+        being packed, so the memory bound stays a few buckets. Kept views (`LiveWeights`) need no conversion and are
         packed here, without a thread (`_live_payloads`): by row gathers where they can be, and where handed over
         (`LiveWeights.hand_over`) read where they lie (no copy, no memory) and posted last.
 
@@ -113,63 +115,84 @@ class TensorWeightSync:
         seconds = {"export": 0.0, "pack": 0.0, "post": 0.0, "wait": 0.0}
         stop = threading.Event()
         producer: threading.Thread | None = None
-        if isinstance(named_tensors, LiveWeights):
-            # kept views need no conversion and pack in a few launches, so no thread: the payloads come in a fixed
-            # order from this one. The first two are made before the session opens (their gathers run on the GPU
-            # meanwhile), each later one once a post has let its bucket go.
-            payloads = self._live_payloads(named_tensors, seconds)
-            ahead = collections.deque(itertools.islice(payloads, 2))
-            for _ in ahead:
-                mark(("ready", time.time()))
-
-            def take() -> Any:
-                t0 = time.perf_counter()
-                if len(ahead) < 2 and (more := next(payloads, None)) is not None:
-                    ahead.append(more)
-                    mark(("ready", time.time()))
-                seconds["wait"] += time.perf_counter() - t0
-                return ahead.popleft() if ahead else None
-
-        else:
-            ready: queue.Queue[Any] = queue.Queue(maxsize=2)
-            producer = threading.Thread(
-                target=self._produce,
-                args=(named_tensors, ready, stop, seconds, mark),
-                name="weight-sync-pack",
-                daemon=True,
-            )
-            producer.start()
-
-            def take() -> Any:
-                t0 = time.perf_counter()
-                item = ready.get()
-                seconds["wait"] += time.perf_counter() - t0
-                return item
-
         num_bytes = num_buckets = 0
         try:
+            # the session's opening calls are written first and answered while the first buckets are packed
             t0 = time.perf_counter()
-            begin_weight_sync(clients)
+            opened = start_weight_sync(clients)
             session = time.perf_counter() - t0
+            if isinstance(named_tensors, LiveWeights):
+                # kept views need no conversion and pack in a few launches, so no thread: the payloads come in a
+                # fixed order from this one. The first two are made while the session opens (their gathers run on
+                # the GPU meanwhile), each later one once a post has let its bucket go.
+                payloads = self._live_payloads(named_tensors, seconds, mark)
+                ahead = collections.deque(itertools.islice(payloads, 2))
+
+                def take() -> Any:
+                    if ahead:
+                        return ahead.popleft()
+                    t0 = time.perf_counter()
+                    item = next(payloads, None)
+                    seconds["wait"] += time.perf_counter() - t0
+                    return item
+
+            else:
+                ready: queue.Queue[Any] = queue.Queue(maxsize=1)
+                producer = threading.Thread(
+                    target=self._produce,
+                    args=(named_tensors, ready, stop, seconds, mark),
+                    name="weight-sync-pack",
+                    daemon=True,
+                )
+                producer.start()
+
+                def take() -> Any:
+                    t0 = time.perf_counter()
+                    item = ready.get()
+                    seconds["wait"] += time.perf_counter() - t0
+                    return item
+
+            t0 = time.perf_counter()
+            opened()
+            session += time.perf_counter() - t0
             mark(("opened", time.time()))
-            while (item := take()) is not None:
+            # two posts in flight: the next is written before the engines answered this one (pipelined on the same
+            # connection), so each engine starts on it as soon as it is done with this one
+            in_flight: collections.deque[tuple[Callable[[], None], Any]] = collections.deque()
+            exhausted = False
+            while True:
+                item = None
+                if len(in_flight) < 2 and not exhausted:
+                    item = take()
+                    exhausted = item is None
                 if isinstance(item, BaseException):
                     raise item
-                bucket_bytes, payload, _flat = item  # _flat: alive until the engines have copied out of it
-                mark((f"post {num_buckets}", time.time()))
+                if item is not None:
+                    mark((f"post {num_buckets}", time.time()))
+                    t0 = time.perf_counter()
+                    in_flight.append((self._send(item[1], weight_version), item))
+                    seconds["post"] += time.perf_counter() - t0
+                    if self.clients:
+                        num_bytes += item[0] * len(self.clients)
+                    num_buckets += 1
+                    if len(in_flight) < 2:
+                        continue
+                if not in_flight:
+                    break
+                done, item = in_flight.popleft()
                 t0 = time.perf_counter()
-                self._post(payload, weight_version)
+                done()
                 seconds["post"] += time.perf_counter() - t0
-                mark((f"posted {num_buckets}", time.time()))
-                if self.clients:
-                    num_bytes += bucket_bytes * len(self.clients)
-                num_buckets += 1
-                del item, payload, _flat  # the engines have copied it: the bucket's memory may go
-                mark((f"freed {num_buckets - 1}", time.time()))
+                mark((f"posted {num_buckets - len(in_flight) - 1}", time.time()))
+                del done, item  # the engines have copied it: the bucket's memory may go
             t0 = time.perf_counter()
             end_weight_sync(clients)
             session += time.perf_counter() - t0
             mark(("closed", time.time()))
+        except BaseException:
+            for c in clients:
+                c.discard()  # answers may still be due on its connection: the next call opens a fresh one
+            raise
         finally:
             stop.set()
             if producer is not None:
@@ -241,7 +264,9 @@ class TensorWeightSync:
         except BaseException as e:  # noqa: BLE001 - handed to the posting thread, which raises it
             put(e)
 
-    def _live_payloads(self, live: LiveWeights, seconds: dict[str, float]) -> Iterator[tuple[int, Any, torch.Tensor]]:
+    def _live_payloads(
+        self, live: LiveWeights, seconds: dict[str, float], mark: Callable[[tuple[str, float]], None]
+    ) -> Iterator[tuple[int, Any, torch.Tensor]]:
         """(bytes, payload, flat tensor) per bucket of kept views (`LiveWeights.plan`, made once): the packed
         buckets first, then the storages read in place — the packing is then launched first and runs on the GPU
         while the session opens, not beside an engine's copy out of an earlier post (one GPU, two processes)."""
@@ -251,22 +276,28 @@ class TensorWeightSync:
         for bucket, gather in packed:
             t0 = time.perf_counter()
             flat, meta = gather.pack() if gather is not None else flatten(bucket, new_buffer(bucket))
+            mark(("packed", time.time()))
             payload = self._payload(flat, meta)
             seconds["pack"] += time.perf_counter() - t0
+            mark(("ready", time.time()))
             yield bucket_nbytes(bucket), payload, flat
         for group in in_place:
             t0 = time.perf_counter()
             flat = group.flat()
             payload = self._payload(flat, group.meta)
             seconds["pack"] += time.perf_counter() - t0
+            mark(("ready in place", time.time()))
             yield group.nbytes, payload, flat
 
     def _payload(self, flat: torch.Tensor, meta: list[Any]) -> str | None:
         """One bucket as SGLang's flattened-bucket payload; None on a rank that posts to no engine."""
         return serialize({"flattened_tensor": flat, "metadata": meta}) if self.groups else None
 
-    def _post(self, payload: str | None, weight_version: int) -> None:
-        """This rank's payload of one bucket to each of its engines (gathered to the engine's leader first)."""
+    def _send(self, payload: str | None, weight_version: int) -> Callable[[], None]:
+        """This rank's payload of one bucket to each of its engines (gathered to the engine's leader first, which
+        writes the post); returns the function that waits for the engines' answers, after which every rank of the
+        engine may free the bucket."""
+        reads: list[Callable[[], None]] = []
         for e, group in self.groups.items():
             ranks = e.ranks(self.world_size)
             gathered: list[Any] = [payload]
@@ -275,6 +306,13 @@ class TensorWeightSync:
                 dist.gather_object(payload, gathered, dst=ranks[0], group=group)
             if self._leads(e):
                 entries = gathered + [gathered[0]] * (e.num_gpus - len(gathered))
-                self.clients[e].update_weights_from_tensor(entries, str(weight_version))
-            if group is not None:
-                dist.barrier(group=group)  # the engine has copied every rank's bucket: they may go
+                reads.append(self.clients[e].send_update_weights_from_tensor(entries, str(weight_version)))
+
+        def done() -> None:
+            for read in reads:
+                read()
+            for group in self.groups.values():
+                if group is not None:
+                    dist.barrier(group=group)  # the engine has copied every rank's bucket: they may go
+
+        return done

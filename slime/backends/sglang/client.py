@@ -14,11 +14,14 @@ kept-alive `http.client` connection answers in ~0.5 ms where an `httpx.Client` c
 from __future__ import annotations
 
 import http.client
+import io
 import json
 import logging
+import socket
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -36,6 +39,25 @@ _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
 ERRORS = (OSError, http.client.HTTPException)  # what a call raises when the server cannot be reached or answer
 
 
+class _Stream(io.BufferedReader):
+    """One buffered reader over a connection's socket for pipelined answers: `http.client.HTTPResponse` reads
+    from `sock.makefile()` and closes it after each answer, which would lose what the buffer read ahead of the
+    next answer."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__(socket.SocketIO(sock, "rb"))
+        self.sock = sock
+
+    def makefile(self, *args: Any, **kwargs: Any) -> _Stream:
+        return self
+
+    def close(self) -> None:  # an answer is done: keep reading the next one from the same buffer
+        pass
+
+    def release(self) -> None:
+        super().close()  # the socket stays open (the connection's); only this reader's hold on it goes
+
+
 class SGLangClient:
     """Control calls to one server (`url` = http://host:port). Thread-safe: each thread keeps its own
     connection (weight sync posts from a thread of its own)."""
@@ -50,11 +72,15 @@ class SGLangClient:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._open: list[http.client.HTTPConnection] = []
+        self._streams: dict[http.client.HTTPConnection, _Stream] = {}  # per connection, its thread's own
 
     def close(self) -> None:
         with self._lock:
             conns, self._open = self._open, []
         for c in conns:
+            stream = self._streams.pop(c, None)
+            if stream is not None:
+                stream.release()
             c.close()
 
     def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
@@ -88,7 +114,27 @@ class SGLangClient:
                 if not (reused and isinstance(e, _STALE)):
                     raise
 
+    def discard(self) -> None:
+        """Close this thread's connection: after a failure between `send` and reading its answers, those
+        answers would otherwise be read by the next call."""
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            self._drop(conn)
+
+    def _stream(self, conn: http.client.HTTPConnection) -> _Stream:
+        """The connection's reader for pipelined answers, one for all of them: calls sent back to back may be read
+        by several `send` readers, and a reader of its own each would lose what one read ahead of the next."""
+        stream = self._streams.get(conn)
+        if stream is None or stream.sock is not conn.sock:  # none yet, or the connection was opened anew since
+            if stream is not None:
+                stream.release()
+            stream = self._streams[conn] = _Stream(conn.sock)
+        return stream
+
     def _drop(self, conn: http.client.HTTPConnection) -> None:
+        stream = self._streams.pop(conn, None)
+        if stream is not None:
+            stream.release()
         conn.close()
         self._local.conn = None
         with self._lock:
@@ -102,7 +148,10 @@ class SGLangClient:
         self.close()
 
     def _call(self, method: str, endpoint: str, body: dict[str, Any] | None = None, timeout: float | None = None):
-        status, content = self.request(method, endpoint, body, timeout)
+        return self._checked(endpoint, *self.request(method, endpoint, body, timeout))
+
+    def _checked(self, endpoint: str, status: int, content: bytes) -> Any:
+        """The answer's JSON (or text); raises `SGLangError` on a non-200 status or `success: false`."""
         try:
             data = json.loads(content) if content else None
         except ValueError:  # several control endpoints answer plain text
@@ -111,6 +160,68 @@ class SGLangClient:
             message = data.get("message", data) if isinstance(data, dict) else data
             raise SGLangError(f"{self.url}{endpoint} answered {status}: {str(message)[:300]}")
         return data
+
+    def send(
+        self, calls: list[tuple[str, str, Any]], timeout: float | None = None
+    ) -> Callable[[], list[tuple[int, bytes]]]:
+        """Write every (method, endpoint, JSON body) call at once on this thread's connection and return the
+        function that reads their (status, body bytes), in order; make no other call from this thread before it.
+
+        HTTP/1.1 pipelining: the server reads the calls in one go and answers them one after the other, in order
+        (aiohttp and uvicorn both do). Why: inside a weight sync, a call that waits for the one before costs a
+        wake-up of each process (0.3-1 ms measured, docs/performance.md) for a handler that runs ~0.1 ms, and the
+        caller can pack its buckets between writing and reading."""
+        requests = []
+        for method, endpoint, body in calls:
+            data = json.dumps(body if body is not None else {}).encode() if method == "POST" else b""
+            head = f"{method} {self._prefix}{endpoint} HTTP/1.1\r\nHost: {self._host}:{self._port}\r\n"
+            head += "Accept-Encoding: identity\r\n"
+            if method == "POST":
+                head += f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+            requests.append(head.encode() + b"\r\n" + data)
+        wire = b"".join(requests)
+
+        def write() -> tuple[http.client.HTTPConnection, bool]:
+            while True:
+                conn, reused = self._connection()
+                conn.timeout = self.timeout if timeout is None else timeout
+                try:
+                    if conn.sock is None:
+                        conn.connect()
+                    conn.sock.settimeout(conn.timeout)
+                    conn.sock.sendall(wire)
+                    return conn, reused
+                except BaseException as e:
+                    self._drop(conn)
+                    if not (reused and isinstance(e, _STALE)):
+                        raise
+
+        conn, reused = write()
+
+        def read() -> list[tuple[int, bytes]]:
+            nonlocal conn, reused
+            while True:
+                answers: list[tuple[int, bytes]] = []
+                stream = self._stream(conn)
+                try:
+                    for method, _, _ in calls:
+                        r = http.client.HTTPResponse(stream, method=method)  # type: ignore[arg-type]
+                        r.begin()
+                        answers.append((r.status, r.read()))
+                        if r.will_close and len(answers) < len(calls):
+                            raise http.client.RemoteDisconnected(
+                                f"{self.url} closed the connection after {len(answers)} of {len(calls)} calls"
+                            )
+                    if r.will_close:
+                        self._drop(conn)
+                    return answers
+                except BaseException as e:
+                    self._drop(conn)
+                    if not (reused and not answers and isinstance(e, _STALE)):
+                        raise
+                    conn, reused = write()  # a kept-alive connection closed before it read anything: once more
+
+        return read
 
     # ---- health and identity ----------------------------------------------------------------------------
     def healthy(self, endpoint: str = "/health_generate", timeout: float = 30.0) -> bool:
@@ -165,13 +276,21 @@ class SGLangClient:
     def update_weights_from_tensor(
         self, serialized_named_tensors: list[str], weight_version: str, load_format: str = "flattened_bucket"
     ) -> None:
+        self.send_update_weights_from_tensor(serialized_named_tensors, weight_version, load_format)()
+
+    def send_update_weights_from_tensor(
+        self, serialized_named_tensors: list[str], weight_version: str, load_format: str = "flattened_bucket"
+    ) -> Callable[[], None]:
+        """Write the post now (pipelined behind any call not yet answered, `send`); returns the function that
+        waits for its answer and raises if the engine refused it."""
         body = {
             "serialized_named_tensors": serialized_named_tensors,
             "load_format": load_format,
             "flush_cache": False,
             "weight_version": weight_version,
         }
-        self._call("POST", "/update_weights_from_tensor", body)
+        read = self.send([("POST", "/update_weights_from_tensor", body)])
+        return lambda: self._checked("/update_weights_from_tensor", *read()[0])
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
         self._call("POST", "/update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version})
@@ -201,21 +320,41 @@ class SGLangClient:
         return self._call("POST", "/weights_checker", body, timeout=120.0)
 
 
-def begin_weight_sync(clients: list[SGLangClient]) -> None:
+def start_weight_sync(clients: list[SGLangClient]) -> Callable[[], None]:
     """Open a weight update on every engine: pause generation, flush the cache, begin the update session
     (SGLang 0.5.23 loads weights only inside `/begin_weight_update` ... `/end_weight_update`). The pause uses
     SGLang's default mode, `abort`: a request still in flight (none in the synchronous loop, which syncs
-    between rollouts) comes back aborted with its tokens so far."""
-    for c in clients:
-        c.pause_generation()
-    for c in clients:
-        c.flush_cache()
-        c.begin_weight_update()
+    between rollouts) comes back aborted with its tokens so far.
+
+    The three calls go to every engine at once, pipelined (`SGLangClient.send`); this returns the function that
+    reads the answers, so the caller packs its first buckets meanwhile. A flush refused because aborted requests
+    are still finishing is retried until the engine is idle; no weights are posted before that."""
+    calls = [("POST", "/pause_generation", {}), ("POST", "/flush_cache", None),
+             ("POST", "/begin_weight_update", {"selector": "all"})]  # fmt: skip
+    reads = [(c, c.send(calls)) for c in clients]
+
+    def opened() -> None:
+        for c, read in reads:
+            (paused, paused_body), (flushed, _), (begun, begun_body) = read()
+            c._checked("/pause_generation", paused, paused_body)
+            if flushed != 200:
+                c.flush_cache()
+            c._checked("/begin_weight_update", begun, begun_body)
+
+    return opened
+
+
+def begin_weight_sync(clients: list[SGLangClient]) -> None:
+    """`start_weight_sync`, waiting for the engines to answer."""
+    start_weight_sync(clients)()
 
 
 def end_weight_sync(clients: list[SGLangClient]) -> None:
-    """Close the update session and resume generation. No second flush: the one in `begin_weight_sync` ran while
-    generation was paused, and nothing fills the cache until it continues (slime v0.3.0 flushes once too)."""
-    for c in clients:
-        c.end_weight_update()
-        c.continue_generation()
+    """Close the update session and resume generation, both calls pipelined to every engine at once. No second
+    flush: the one at the start ran while generation was paused, and nothing fills the cache until it continues
+    (slime v0.3.0 flushes once too)."""
+    calls = [("POST", "/end_weight_update", {}), ("POST", "/continue_generation", {})]
+    reads = [(c, c.send(calls)) for c in clients]
+    for c, read in reads:
+        for (_, endpoint, _), (status, body) in zip(calls, read(), strict=True):
+            c._checked(endpoint, status, body)
