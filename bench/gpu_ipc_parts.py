@@ -97,15 +97,16 @@ def _receiver(conn: multiprocessing.connection.Connection) -> None:
             d.copy_(s)
         sync()
         t["copy_each"] = time.perf_counter() - t0
-        big = [(d, s) for d, s in zip(dst, src, strict=True) if s.numel() >= 1 << 20]
-        small = [(d, s) for d, s in zip(dst, src, strict=True) if s.numel() < 1 << 20]
-        t0 = time.perf_counter()
-        for d, s in big:  # the fake engine's way (hf_engine.load_received): large alone, small grouped
-            d.copy_(s)
-        if small:
-            torch._foreach_copy_([d for d, _ in small], [s for _, s in small])
-        sync()
-        t["copy_large_alone_small_grouped"] = time.perf_counter() - t0
+        for alone in (1 << 20, 1 << 24, 1 << 26):  # the fake engine's way (hf_engine.load_received), by threshold
+            big = [(d, s) for d, s in zip(dst, src, strict=True) if s.numel() >= alone]
+            small = [(d, s) for d, s in zip(dst, src, strict=True) if s.numel() < alone]
+            t0 = time.perf_counter()
+            for d, s in big:
+                d.copy_(s)
+            if small:
+                torch._foreach_copy_([d for d, _ in small], [s for _, s in small])
+            sync()
+            t[f"copy_alone_from_2^{alone.bit_length() - 1}"] = time.perf_counter() - t0
         storage = named[0][1].untyped_storage()  # the bucket's (opening the payload again would reopen the handle)
         flat = torch.empty(0, dtype=named[0][1].dtype, device=named[0][1].device).set_(
             storage, 0, (storage.nbytes() // named[0][1].element_size(),)

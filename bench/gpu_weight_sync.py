@@ -26,8 +26,10 @@ way's median and its ratio to the floor, and writes JSON. A bench, not a test: i
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing.connection
+import os
 import pickle
 import tempfile
 import time
@@ -91,7 +93,8 @@ def timeline(trace: list[tuple[str, float]], request_log: Path) -> list[str]:
         r = json.loads(line) if line.strip() else {}
         if not t0 <= r.get("ts_start", 0.0) <= t1:
             continue
-        parts = [f"{k[:-2]} {r[k] * 1e3:.2f}" for k in ("unpickle_s", "views_s", "load_s") if k in r]
+        parts = [f"read {(r['parsed_at'] - r['ts_start']) * 1e3:.2f}"] if "parsed_at" in r else []
+        parts += [f"{k[:-2]} {r[k] * 1e3:.2f}" for k in ("unpickle_s", "views_s", "load_s") if k in r]
         span = (r["ts_end"] - r["ts_start"]) * 1e3
         rows.append((r["ts_start"] - t0, f"engine   {r['endpoint']} for {span:.2f} ms {' '.join(parts)}".rstrip()))
     return [f"{at * 1e3:7.2f} ms  {what}" for at, what in sorted(rows)]
@@ -198,8 +201,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     res["by_bucket"] = {}
     version = 0
     with launch_fake_sglang(engine_args, timeout=600) as eng:
+        # both processes take turns on a CPU they share: the sync's CPU work on each side is then serial
+        res["cpus"] = {
+            "trainer": sorted(os.sched_getaffinity(0)),
+            "engine": sorted(os.sched_getaffinity(eng.proc.pid)),
+        }
+        log(f"CPUs the trainer may run on: {res['cpus']['trainer']}, the engine: {res['cpus']['engine']}")
         for bucket in sizes:
             sync = TensorWeightSync([eng.url], bucket)
+
+            def on_gc(phase: str, info: dict[str, Any], sync: TensorWeightSync = sync) -> None:
+                if sync.trace is not None:  # this process's garbage collections, in the timeline of the traced sync
+                    sync.trace.append((f"gc of generation {info['generation']}: {phase}", time.time()))
+
+            gc.callbacks.append(on_gc)
             runs: dict[str, list[dict[str, float]]] = {"live": [], "host": [], "packed": []}
             packed_views = None
             release: list[float] = []
@@ -237,6 +252,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"buckets of {bucket / 2**20:.0f} MiB, sync {i}: live {m['total_s']:.4f}s host {h['total_s']:.4f}s"
                 )
             sync.close()
+            gc.callbacks.remove(on_gc)
             entry: dict[str, Any] = {"release_weights_s": median(release), "live_timeline": trace}
             log(f"the last live sync with {bucket / 2**20:.0f} MiB buckets, event by event:\n" + "\n".join(trace))
             for way, ms in runs.items():

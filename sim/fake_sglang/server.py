@@ -375,6 +375,7 @@ def build_app(
 
     async def update_weights_from_tensor(request: web.Request) -> web.Response:
         body = await parsed(request, v.UPDATE_FROM_TENSOR)
+        request["log"]["parsed_at"] = time.time()  # the body read and validated (the bench's timeline)
         raw = request["log"].get("body", {})
         request["log"]["body"] = {k: x for k, x in raw.items() if k != "serialized_named_tensors"}
         request["log"]["body"]["num_serialized"] = len(body["serialized_named_tensors"])

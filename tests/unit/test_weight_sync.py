@@ -192,6 +192,24 @@ def test_kept_sync_views_send_exactly_what_the_export_sends(ckpt, tmp_path):
     assert r["equal_after_wake"] and r["hand_over"], r
 
 
+def test_a_refused_last_post_fails_the_sync_behind_a_closed_session(ckpt):
+    """The session's closing calls go out behind the last post (start_end_weight_sync): when that post is refused
+    the sync still fails, and the engine is left resumed with no session open, ready for the next sync."""
+    from slime.backends.sglang.client import SGLangClient, begin_weight_sync, end_weight_sync
+
+    with launch_fake_sglang(["--engine", "hf", "--model-path", str(ckpt)]) as srv:
+        sync = TensorWeightSync([srv.url], bucket_bytes=1 << 20)
+        try:
+            with pytest.raises(Exception, match="unknown parameter names"):
+                sync.sync([("model.nope.weight", torch.zeros(64))], weight_version=1)
+        finally:
+            sync.close()
+        with SGLangClient(srv.url) as c:
+            assert c.server_info()["internal_states"][0]["paused"] is False
+            begin_weight_sync([c])  # refused if the failed sync had left its session open
+            end_weight_sync([c])
+
+
 def test_a_failed_post_stops_the_packer_thread(ckpt):
     """An engine that refuses a bucket fails the sync at once, and the packer thread (still holding packed buckets
     to hand over) is stopped, not left blocked behind; the next bucket's answer, still due when the first was

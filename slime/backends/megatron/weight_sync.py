@@ -41,7 +41,7 @@ from slime.backends.megatron.weight_buckets import (
     flatten,
     new_buffer,
 )
-from slime.backends.sglang.client import SGLangClient, end_weight_sync, start_weight_sync
+from slime.backends.sglang.client import SGLangClient, start_end_weight_sync, start_weight_sync
 
 logger = logging.getLogger(__name__)
 
@@ -97,13 +97,15 @@ class TensorWeightSync:
     def sync(self, named_tensors: Iterable[Item], weight_version: int) -> dict[str, float]:
         """Every rank calls this with the same stream of HF-named tensors; returns what the leaders posted.
 
-        Pipelined: the session's opening calls are written first and answered while the first buckets are packed;
+        Pipelined: the session's opening calls are written first and answered while the first buckets are packed,
+        and its closing calls are written behind the last post (`start_end_weight_sync` says what that costs when
+        the last post is refused);
         a thread converts and packs the buckets (`_produce`) while this one posts, two posts in flight (the next
         written before the engines answered the one before, `SGLangClient.send`), so the engines' work and the
         HTTP round trips hide the export's. At most one packed bucket waits beside the two in flight and the one
         being packed, so the memory bound stays a few buckets. Kept views (`LiveWeights`) need no conversion and are
         packed here, without a thread (`_live_payloads`): by row gathers where they can be, and where handed over
-        (`LiveWeights.hand_over`) read where they lie (no copy, no memory) and posted last.
+        (`LiveWeights.hand_over`) read where they lie (no copy, no memory) and posted first.
 
         `self.trace`, when a list, receives (event, `time.time()`) pairs: the session opened and closed, each
         payload ready and each post's start and end (`bench/gpu_weight_sync.py` lays them beside the engine's
@@ -121,12 +123,13 @@ class TensorWeightSync:
             t0 = time.perf_counter()
             opened = start_weight_sync(clients)
             session = time.perf_counter() - t0
+            mark(("opening sent", time.time()))
             if isinstance(named_tensors, LiveWeights):
                 # kept views need no conversion and pack in a few launches, so no thread: the payloads come in a
-                # fixed order from this one. The first two are made while the session opens (their gathers run on
-                # the GPU meanwhile), each later one once a post has let its bucket go.
+                # fixed order from this one. The first is made while the session opens, the second while the
+                # engines take in the first, each later one once a post has let its bucket go.
                 payloads = self._live_payloads(named_tensors, seconds, mark)
-                ahead = collections.deque(itertools.islice(payloads, 2))
+                ahead = collections.deque(itertools.islice(payloads, 1))
 
                 def take() -> Any:
                     if ahead:
@@ -159,12 +162,15 @@ class TensorWeightSync:
             # two posts in flight: the next is written before the engines answered this one (pipelined on the same
             # connection), so each engine starts on it as soon as it is done with this one
             in_flight: collections.deque[tuple[Callable[[], None], Any]] = collections.deque()
-            exhausted = False
+            closed: Callable[[], None] | None = None
             while True:
                 item = None
-                if len(in_flight) < 2 and not exhausted:
+                if len(in_flight) < 2 and closed is None:
                     item = take()
-                    exhausted = item is None
+                    if item is None:  # the last post is out: closing the session is written behind it
+                        t0 = time.perf_counter()
+                        closed = start_end_weight_sync(clients)
+                        session += time.perf_counter() - t0
                 if isinstance(item, BaseException):
                     raise item
                 if item is not None:
@@ -186,7 +192,8 @@ class TensorWeightSync:
                 mark((f"posted {num_buckets - len(in_flight) - 1}", time.time()))
                 del done, item  # the engines have copied it: the bucket's memory may go
             t0 = time.perf_counter()
-            end_weight_sync(clients)
+            assert closed is not None  # the loop ends only once every post is out and answered
+            closed()
             session += time.perf_counter() - t0
             mark(("closed", time.time()))
         except BaseException:
@@ -267,12 +274,20 @@ class TensorWeightSync:
     def _live_payloads(
         self, live: LiveWeights, seconds: dict[str, float], mark: Callable[[tuple[str, float]], None]
     ) -> Iterator[tuple[int, Any, torch.Tensor]]:
-        """(bytes, payload, flat tensor) per bucket of kept views (`LiveWeights.plan`, made once): the packed
-        buckets first, then the storages read in place — the packing is then launched first and runs on the GPU
-        while the session opens, not beside an engine's copy out of an earlier post (one GPU, two processes)."""
+        """(bytes, payload, flat tensor) per bucket of kept views (`LiveWeights.plan`, made once): the storages
+        read in place first — a handle to serialize, no copy on this side, so the first post reaches the engines
+        as early as it can — then the packed buckets, whose gathers run on the GPU while the engines decode the
+        first post."""
         t0 = time.perf_counter()
         in_place, packed = live.plan(self.bucket_bytes)
         seconds["export"] += time.perf_counter() - t0
+        for group in in_place:
+            t0 = time.perf_counter()
+            flat = group.flat()
+            payload = self._payload(flat, group.meta)
+            seconds["pack"] += time.perf_counter() - t0
+            mark(("ready in place", time.time()))
+            yield group.nbytes, payload, flat
         for bucket, gather in packed:
             t0 = time.perf_counter()
             flat, meta = gather.pack() if gather is not None else flatten(bucket, new_buffer(bucket))
@@ -281,13 +296,6 @@ class TensorWeightSync:
             seconds["pack"] += time.perf_counter() - t0
             mark(("ready", time.time()))
             yield bucket_nbytes(bucket), payload, flat
-        for group in in_place:
-            t0 = time.perf_counter()
-            flat = group.flat()
-            payload = self._payload(flat, group.meta)
-            seconds["pack"] += time.perf_counter() - t0
-            mark(("ready in place", time.time()))
-            yield group.nbytes, payload, flat
 
     def _payload(self, flat: torch.Tensor, meta: list[Any]) -> str | None:
         """One bucket as SGLang's flattened-bucket payload; None on a rank that posts to no engine."""
