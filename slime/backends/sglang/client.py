@@ -73,6 +73,7 @@ class SGLangClient:
         self._lock = threading.Lock()
         self._open: list[http.client.HTTPConnection] = []
         self._streams: dict[http.client.HTTPConnection, _Stream] = {}  # per connection, its thread's own
+        self._unread: dict[http.client.HTTPConnection, int] = {}  # per connection, `send`s not yet read
 
     def close(self) -> None:
         with self._lock:
@@ -132,6 +133,7 @@ class SGLangClient:
         return stream
 
     def _drop(self, conn: http.client.HTTPConnection) -> None:
+        self._unread.pop(conn, None)
         stream = self._streams.pop(conn, None)
         if stream is not None:
             stream.release()
@@ -185,15 +187,18 @@ class SGLangClient:
             while True:
                 conn, reused = self._connection()
                 conn.timeout = self.timeout if timeout is None else timeout
+                # sent again elsewhere, these calls would overtake the ones still unanswered on this connection
+                earlier = self._unread.get(conn, 0)
                 try:
                     if conn.sock is None:
                         conn.connect()
                     conn.sock.settimeout(conn.timeout)
                     conn.sock.sendall(wire)
+                    self._unread[conn] = earlier + 1
                     return conn, reused
                 except BaseException as e:
                     self._drop(conn)
-                    if not (reused and isinstance(e, _STALE)):
+                    if not (reused and not earlier and isinstance(e, _STALE)):
                         raise
 
         conn, reused = write()
@@ -202,8 +207,10 @@ class SGLangClient:
             nonlocal conn, reused
             while True:
                 answers: list[tuple[int, bytes]] = []
-                stream = self._stream(conn)
                 try:
+                    if conn.sock is None:  # dropped by the reader of a send before this one: never read either
+                        raise http.client.RemoteDisconnected(f"{self.url}: the connection was closed before an answer")
+                    stream = self._stream(conn)
                     for method, _, _ in calls:
                         r = http.client.HTTPResponse(stream, method=method)  # type: ignore[arg-type]
                         r.begin()
@@ -212,6 +219,7 @@ class SGLangClient:
                             raise http.client.RemoteDisconnected(
                                 f"{self.url} closed the connection after {len(answers)} of {len(calls)} calls"
                             )
+                    self._unread[conn] -= 1
                     if r.will_close:
                         self._drop(conn)
                     return answers
