@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import contextlib
 import io
 import itertools
 import logging
@@ -41,7 +42,7 @@ from slime.backends.megatron.weight_buckets import (
     flatten,
     new_buffer,
 )
-from slime.backends.sglang.client import SGLangClient, start_end_weight_sync, start_weight_sync
+from slime.backends.sglang.client import SGLangClient, SGLangError, start_end_weight_sync, start_weight_sync
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,8 @@ class TensorWeightSync:
         stop = threading.Event()
         producer: threading.Thread | None = None
         num_bytes = num_buckets = 0
+        in_flight: collections.deque[tuple[list[Callable[[], None]], Any]] = collections.deque()  # posts unanswered
+        closed: Callable[[], None] | None = None  # once the closing calls are out: reads their answers
         try:
             # the session's opening calls are written first and answered while the first buckets are packed
             t0 = time.perf_counter()
@@ -161,8 +164,6 @@ class TensorWeightSync:
             mark(("opened", time.time()))
             # two posts in flight: the next is written before the engines answered this one (pipelined on the same
             # connection), so each engine starts on it as soon as it is done with this one
-            in_flight: collections.deque[tuple[Callable[[], None], Any]] = collections.deque()
-            closed: Callable[[], None] | None = None
             while True:
                 item = None
                 if len(in_flight) < 2 and closed is None:
@@ -185,18 +186,28 @@ class TensorWeightSync:
                         continue
                 if not in_flight:
                     break
-                done, item = in_flight.popleft()
+                reads, item = in_flight.popleft()
                 t0 = time.perf_counter()
-                done()
+                for read in reads:
+                    read()
+                self._let_go()
                 seconds["post"] += time.perf_counter() - t0
                 mark((f"posted {num_buckets - len(in_flight) - 1}", time.time()))
-                del done, item  # the engines have copied it: the bucket's memory may go
+                del reads, item  # the engines have copied it: the bucket's memory may go
             t0 = time.perf_counter()
             assert closed is not None  # the loop ends only once every post is out and answered
-            closed()
+            closing, closed = closed, None  # read once, here
+            closing()
             session += time.perf_counter() - t0
             mark(("closed", time.time()))
         except BaseException:
+            if closed is not None:  # the closing calls are out: the engines end the session and resume whatever
+                with contextlib.suppress(Exception):  # came of the posts; read the answers due, in order, to know
+                    for reads, _ in in_flight:
+                        for read in reads:
+                            with contextlib.suppress(SGLangError):
+                                read()
+                    closed()
             for c in clients:
                 c.discard()  # answers may still be due on its connection: the next call opens a fresh one
             raise
@@ -301,10 +312,10 @@ class TensorWeightSync:
         """One bucket as SGLang's flattened-bucket payload; None on a rank that posts to no engine."""
         return serialize({"flattened_tensor": flat, "metadata": meta}) if self.groups else None
 
-    def _send(self, payload: str | None, weight_version: int) -> Callable[[], None]:
+    def _send(self, payload: str | None, weight_version: int) -> list[Callable[[], None]]:
         """This rank's payload of one bucket to each of its engines (gathered to the engine's leader first, which
-        writes the post); returns the function that waits for the engines' answers, after which every rank of the
-        engine may free the bucket."""
+        writes the post); returns the functions that wait for the engines' answers (the leader's), after which
+        `_let_go` lets every rank of an engine free the bucket."""
         reads: list[Callable[[], None]] = []
         for e, group in self.groups.items():
             ranks = e.ranks(self.world_size)
@@ -315,12 +326,9 @@ class TensorWeightSync:
             if self._leads(e):
                 entries = gathered + [gathered[0]] * (e.num_gpus - len(gathered))
                 reads.append(self.clients[e].send_update_weights_from_tensor(entries, str(weight_version)))
+        return reads
 
-        def done() -> None:
-            for read in reads:
-                read()
-            for group in self.groups.values():
-                if group is not None:
-                    dist.barrier(group=group)  # the engine has copied every rank's bucket: they may go
-
-        return done
+    def _let_go(self) -> None:
+        for group in self.groups.values():
+            if group is not None:
+                dist.barrier(group=group)  # the engine has copied every rank's bucket: they may go

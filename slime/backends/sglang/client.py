@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 import urllib.parse
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -74,6 +75,7 @@ class SGLangClient:
         self._open: list[http.client.HTTPConnection] = []
         self._streams: dict[http.client.HTTPConnection, _Stream] = {}  # per connection, its thread's own
         self._unread: dict[http.client.HTTPConnection, int] = {}  # per connection, `send`s not yet read
+        self._resent: weakref.WeakSet[http.client.HTTPConnection] = weakref.WeakSet()  # closed before answering
 
     def close(self) -> None:
         with self._lock:
@@ -208,8 +210,10 @@ class SGLangClient:
             while True:
                 answers: list[tuple[int, bytes]] = []
                 try:
-                    if conn.sock is None:  # dropped by the reader of a send before this one: never read either
-                        raise http.client.RemoteDisconnected(f"{self.url}: the connection was closed before an answer")
+                    if conn.sock is None:  # dropped by the reader of a send before this one
+                        if conn in self._resent:  # closed before it answered anything: this one is sent again too
+                            raise http.client.RemoteDisconnected(f"{self.url}: closed before answering")
+                        raise ConnectionAbortedError(f"{self.url}: the connection failed before this answer")
                     stream = self._stream(conn)
                     for method, _, _ in calls:
                         r = http.client.HTTPResponse(stream, method=method)  # type: ignore[arg-type]
@@ -227,6 +231,7 @@ class SGLangClient:
                     self._drop(conn)
                     if not (reused and not answers and isinstance(e, _STALE)):
                         raise
+                    self._resent.add(conn)
                     conn, reused = write()  # a kept-alive connection closed before it read anything: once more
 
         return read
@@ -362,8 +367,8 @@ def start_end_weight_sync(clients: list[SGLangClient]) -> Callable[[], None]:
     behind any post still being answered (`SGLangClient.send`); returns the function that reads the answers.
 
     Written behind the last post, they spare the sync one wake-up of each process (~0.5 ms of a ~10 ms sync of a
-    2B model, docs/performance.md); the price: when that post is refused, the engine has already resumed on the
-    weights it loaded so far, and the sync raises (the training job stops there). No second flush: the one at the
+    2B model, docs/performance.md); the price: when a post is refused once the last one is out, the engines end
+    the session and resume on the weights they loaded, and the sync raises (the training job stops there). No second flush: the one at the
     start ran while generation was paused, and nothing fills the cache until it continues (slime v0.3.0 flushes
     once too)."""
     calls = [("POST", "/end_weight_update", {}), ("POST", "/continue_generation", {})]
