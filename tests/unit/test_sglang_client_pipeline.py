@@ -23,7 +23,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802 - http.server's naming
         body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
         server = self.server
-        server.seen.append((self.path, json.loads(body) if body else None, id(self.connection)))  # type: ignore[attr-defined]
+        server.seen.append((self.path, json.loads(body) if body else None, self.client_address[1]))  # type: ignore[attr-defined]
         status, reply = 200, json.dumps({"path": self.path, "n": len(server.seen)}).encode()  # type: ignore[attr-defined]
         if self.path == "/refuse":
             status, reply = 400, b"no"
@@ -119,6 +119,21 @@ def test_sends_in_flight_on_a_stale_connection_are_never_reordered(server) -> No
             assert [json.loads(b)["path"] for _, b in first()] == ["/a"]
             assert [json.loads(b)["path"] for _, b in second()] == ["/b"]
             assert [p for p, _, _ in server.seen] == ["/drop-after", "/a", "/b"]
+
+
+def test_a_connection_idle_past_the_servers_keep_alive_is_replaced_before_use(server, monkeypatch) -> None:
+    """uvicorn closes kept-alive connections idle for 5 s: a call after a longer pause goes out on a fresh
+    connection at once, not on the old one first (whose failure would show only when its answer is awaited)."""
+    import slime.backends.sglang.client as client
+
+    monkeypatch.setattr(client, "IDLE_RECONNECT_S", 0.2)
+    with SGLangClient(_url(server)) as c:
+        assert [s for s, _ in c.send([("POST", "/a", {})])()] == [200]
+        assert c.request("POST", "/b", {})[0] == 200  # used at once: the same connection
+        time.sleep(0.3)
+        assert [s for s, _ in c.send([("POST", "/c", {})])()] == [200]
+        conns = [conn for _, _, conn in server.seen]
+        assert conns[0] == conns[1] != conns[2], server.seen
 
 
 def test_a_server_closing_midway_is_an_error_not_a_missing_answer(server) -> None:

@@ -38,6 +38,10 @@ class SGLangError(RuntimeError):
 # server read the request: such a call is sent again, once, on a fresh connection
 _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
 ERRORS = (OSError, http.client.HTTPException)  # what a call raises when the server cannot be reached or answer
+# uvicorn (SGLang's HTTP server) closes a kept-alive connection idle for 5 s by default: a call on it fails and
+# goes out again on a fresh one, after the caller waited for its answer (a weight sync's pipelined opening would
+# lose the packing it overlaps). A connection idle this long is replaced before it is used.
+IDLE_RECONNECT_S = 4.0
 
 
 class _Stream(io.BufferedReader):
@@ -88,8 +92,14 @@ class SGLangClient:
 
     def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
         conn = getattr(self._local, "conn", None)
+        now = time.monotonic()
         if conn is not None:
-            return conn, True
+            idle = now - self._local.used
+            self._local.used = now
+            if idle < IDLE_RECONNECT_S or self._unread.get(conn):
+                return conn, True
+            self._drop(conn)  # the server may have closed it meanwhile
+        self._local.used = now
         conn = self._local.conn = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
         with self._lock:
             self._open.append(conn)
@@ -109,6 +119,7 @@ class SGLangClient:
                 conn.request(method, self._prefix + endpoint, body=data, headers=headers)
                 r = conn.getresponse()
                 payload = r.read()
+                self._local.used = time.monotonic()
                 if r.will_close:
                     self._drop(conn)
                 return r.status, payload
@@ -224,6 +235,7 @@ class SGLangClient:
                                 f"{self.url} closed the connection after {len(answers)} of {len(calls)} calls"
                             )
                     self._unread[conn] -= 1
+                    self._local.used = time.monotonic()
                     if r.will_close:
                         self._drop(conn)
                     return answers
