@@ -131,17 +131,8 @@ class TensorWeightSync:
                 # kept views need no conversion and pack in a few launches, so no thread: the payloads come in a
                 # fixed order from this one. The first is made while the session opens, the second while the
                 # engines take in the first, each later one once a post has let its bucket go.
-                payloads = self._live_payloads(named_tensors, seconds, mark)
-                ahead = collections.deque(itertools.islice(payloads, 1))
-
-                def take() -> Any:
-                    if ahead:
-                        return ahead.popleft()
-                    t0 = time.perf_counter()
-                    item = next(payloads, None)
-                    seconds["wait"] += time.perf_counter() - t0
-                    return item
-
+                live = self._live_payloads(named_tensors, seconds, mark)
+                payloads: Iterator[Any] = itertools.chain([next(live, None)], live)
             else:
                 ready: queue.Queue[Any] = queue.Queue(maxsize=1)
                 producer = threading.Thread(
@@ -151,12 +142,13 @@ class TensorWeightSync:
                     daemon=True,
                 )
                 producer.start()
+                payloads = iter(ready.get, None)  # the packer ends with None
 
-                def take() -> Any:
-                    t0 = time.perf_counter()
-                    item = ready.get()
-                    seconds["wait"] += time.perf_counter() - t0
-                    return item
+            def take() -> Any:
+                t0 = time.perf_counter()
+                item = next(payloads, None)
+                seconds["wait"] += time.perf_counter() - t0
+                return item
 
             t0 = time.perf_counter()
             opened()

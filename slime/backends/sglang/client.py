@@ -51,7 +51,6 @@ class _Stream(io.BufferedReader):
 
     def __init__(self, sock: socket.socket) -> None:
         super().__init__(socket.SocketIO(sock, "rb"))
-        self.sock = sock
 
     def makefile(self, *args: Any, **kwargs: Any) -> _Stream:
         return self
@@ -108,25 +107,7 @@ class SGLangClient:
     def request(self, method: str, endpoint: str, body: Any = None, timeout: float | None = None) -> tuple[int, bytes]:
         """(status, body bytes) of one call; `body` is sent as JSON (POST). Raises one of `ERRORS` when the server
         cannot be reached or does not answer within `timeout` (the client's default when None)."""
-        data = json.dumps(body if body is not None else {}).encode() if method == "POST" else None
-        headers = {"Content-Type": "application/json"} if data is not None else {}
-        while True:
-            conn, reused = self._connection()
-            conn.timeout = self.timeout if timeout is None else timeout
-            if conn.sock is not None:
-                conn.sock.settimeout(conn.timeout)
-            try:
-                conn.request(method, self._prefix + endpoint, body=data, headers=headers)
-                r = conn.getresponse()
-                payload = r.read()
-                self._local.used = time.monotonic()
-                if r.will_close:
-                    self._drop(conn)
-                return r.status, payload
-            except BaseException as e:
-                self._drop(conn)
-                if not (reused and isinstance(e, _STALE)):
-                    raise
+        return self.send([(method, endpoint, body)], timeout)()[0]
 
     def discard(self) -> None:
         """Close this thread's connection: after a failure between `send` and reading its answers, those
@@ -139,9 +120,7 @@ class SGLangClient:
         """The connection's reader for pipelined answers, one for all of them: calls sent back to back may be read
         by several `send` readers, and a reader of its own each would lose what one read ahead of the next."""
         stream = self._streams.get(conn)
-        if stream is None or stream.sock is not conn.sock:  # none yet, or the connection was opened anew since
-            if stream is not None:
-                stream.release()
+        if stream is None:  # dropped with its connection (`_drop`), so never one of an earlier socket
             stream = self._streams[conn] = _Stream(conn.sock)
         return stream
 
