@@ -40,12 +40,12 @@ def _shapes(shrink: int = 1) -> tuple[list[tuple[int, ...]], list[tuple[int, ...
 def _meta(shapes: list[tuple[int, ...]], prefix: str) -> list[Any]:
     import torch
 
-    from slime.backends.megatron.weight_buckets import FlattenedTensorMetadata
+    from slime.backends.megatron.weight_buckets import tensor_metadata
 
     out, start = [], 0
     for i, s in enumerate(shapes):
         size = torch.Size(s)
-        out.append(FlattenedTensorMetadata(f"{prefix}.{i}.weight", size, torch.bfloat16, start, start + size.numel(),
+        out.append(tensor_metadata(f"{prefix}.{i}.weight", size, torch.bfloat16, start, start + size.numel(),
                                            size.numel()))  # fmt: skip
         start += size.numel()
     return out

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from sim.fake_sglang.launch import LISTEN_FD, run_via_zygote
 from sim.fake_sglang.multinode import NodeRendezvous, parse_dist_init_addr, run_follower
+from sim.fake_sglang.releases import SGLANG_VERSIONS
 
 if TYPE_CHECKING:  # node ranks >= 1 never build an engine: they do not import torch
     from sim.fake_sglang.engine import Engine
@@ -51,6 +52,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="GPUs the engine pretends to span: ranks it takes in a weight-update group",
     )
     p.add_argument("--served-model-name", default=None)
+    p.add_argument(
+        "--sglang-version",
+        default=SGLANG_VERSIONS[-1],
+        choices=SGLANG_VERSIONS,
+        help="the SGLang release whose HTTP protocol the fake speaks (protocol.py: what differs between them)",
+    )
     # SGLang's names (server_args.py): PD role and the prefill's bootstrap server port.
     p.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default="null")
     p.add_argument("--disaggregation-bootstrap-port", type=int, default=None)
@@ -129,6 +136,7 @@ async def serve(a: argparse.Namespace) -> int:
         "nnodes": a.nnodes,
         "node_rank": a.node_rank,
         "dist_init_addr": a.dist_init_addr,
+        "sglang_version": a.sglang_version,
     }
     rooms = None
     if a.disaggregation_mode == "prefill":

@@ -83,22 +83,22 @@ def model_state(model: torch.nn.Module, skip: list[str] | None = None) -> list[t
 class WeightChecker:
     """Per-engine state of the snapshot/compare actions; `handle` runs synchronously (call it in a thread)."""
 
-    def __init__(self, model_getter: Any) -> None:
+    def __init__(self, model_getter: Any, role: bool = True) -> None:
         self._get_model = model_getter
         self._snapshot: dict[str, torch.Tensor] | None = None
+        self._role = role
 
     def handle(self, action: str, skip: list[str] | None) -> dict[str, Any] | None:
         model = self._get_model()
         if action == "checksum":
             sums = {n: tensor_checksum(t) for n, t in model_state(model, skip)}
+            info = {"tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1, "rank": 0,
+                    "size": 1}  # fmt: skip
             return {
                 "checksums": sums,
                 "per_gpu_checksum": overall_checksum(sums),
-                "parallelism_info": {
-                    "role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1,
-                    "pp_rank": 0, "pp_size": 1, "rank": 0, "size": 1,
-                },
-            }  # fmt: skip
+                "parallelism_info": {"role": "target", **info} if self._role else info,
+            }
         if action == "snapshot":
             self._snapshot = {n: t.detach().clone() for n, t in model_state(model, skip)}
             return None
@@ -120,9 +120,10 @@ class WeightChecker:
         return None
 
 
-def register_weights_checker(app: web.Application, engine: Any) -> None:
-    """Add GET/POST `/weights_checker` to the fake server's app (weights read under the engine's step lock)."""
-    checker = WeightChecker(lambda: engine.model)
+def register_weights_checker(app: web.Application, engine: Any, skip_list: bool = True) -> None:
+    """Add GET/POST `/weights_checker` to the fake server's app (weights read under the engine's step lock).
+    `skip_list` False: a release before 0.5.21, whose checker ignores `skip_tensor_list` and reports no `role`."""
+    checker = WeightChecker(lambda: engine.model, role=skip_list)
 
     async def weights_checker(request: web.Request) -> web.Response:
         # http_server.py check_weights: an optional CheckWeightsReqInput body, validated like every other one
@@ -140,7 +141,8 @@ def register_weights_checker(app: web.Application, engine: Any) -> None:
             return web.json_response({"success": False, "message": msg}, status=400)
         try:
             async with engine.step_lock:  # never hash half of an update or a running step
-                info = await asyncio.to_thread(checker.handle, action, body["skip_tensor_list"])
+                skip = body["skip_tensor_list"] if skip_list else None
+                info = await asyncio.to_thread(checker.handle, action, skip)
         except ValueError as e:
             logger.warning("weights_checker %s failed: %s", action, e)
             return web.json_response({"success": False, "message": str(e)}, status=400)

@@ -1,4 +1,5 @@
-"""aiohttp app speaking SGLang 0.5.23's native HTTP API in front of a fake `Engine`.
+"""aiohttp app speaking SGLang's native HTTP API (0.5.23's, or an older release's: releases.py) in front of a fake
+`Engine`.
 
 Routes and answer shapes mirror python/sglang/srt/entrypoints/http_server.py (cited per handler); bodies are read
 and refused as SGLang refuses them (validation.py, contract.py), so malformed input gets SGLang's 4xx, never a 500.
@@ -23,13 +24,13 @@ from sim.fake_sglang.engine import Engine
 from sim.fake_sglang.multinode import NodeRendezvous
 from sim.fake_sglang.openai_chat import register_chat_completions
 from sim.fake_sglang.protocol import BadRequest, GenRequest, build_response, normalize_generate_body
+from sim.fake_sglang.releases import SGLANG_VERSIONS, has_update_sessions
 from sim.fake_sglang.validation import RequestError, read_body
 from sim.fake_sglang.weight_group import register_weight_group_endpoints
 from sim.fake_sglang.weights import decode
 
 logger = logging.getLogger(__name__)
 
-SGLANG_VERSION = "0.5.23"
 ENGINE_KEY = web.AppKey("engine", Engine)
 STATE_KEY = web.AppKey("state", dict)
 
@@ -92,7 +93,14 @@ def build_app(
     """`prefill_rooms` set: this is a prefill engine; server_args["disaggregation_mode"] == "decode": a decode one.
     `nodes`: node rank 0 of a multi-node engine; it is not healthy while a node is missing."""
     log = RequestLog(request_log)
-    state: dict[str, Any] = {"server_args": server_args, "fault": {"mode": "none", "delay_s": 0.0}}
+    version = server_args.pop("sglang_version", None) or SGLANG_VERSIONS[-1]  # not a ServerArgs field
+    sessions = has_update_sessions(version)
+    state: dict[str, Any] = {
+        "server_args": server_args,
+        "version": version,
+        "fault": {"mode": "none", "delay_s": 0.0},
+        "weight_update_session": {"open": False, "loaded": False},
+    }
     mode = server_args.get("disaggregation_mode") or "null"
 
     def respond(req: GenRequest) -> dict[str, Any]:
@@ -319,7 +327,7 @@ def build_app(
             "num_waiting_reqs": len(engine.waiting),
             "decode_steps": engine.steps,
         }
-        return web.json_response({**sa, "internal_states": [internal], "version": SGLANG_VERSION})
+        return web.json_response({**sa, "internal_states": [internal], "version": version})
 
     async def abort_request(request: web.Request) -> web.Response:
         # http_server.py: abort_request(AbortReq{rid, abort_all}) -> 200 empty. tokenizer_manager.py
@@ -379,6 +387,11 @@ def build_app(
         raw = request["log"].get("body", {})
         request["log"]["body"] = {k: x for k, x in raw.items() if k != "serialized_named_tensors"}
         request["log"]["body"]["num_serialized"] = len(body["serialized_named_tensors"])
+        if sessions and not state["weight_update_session"]["open"]:  # 0.5.21+: scheduler weight_updater.py
+            return web.json_response(
+                {"success": False, "message": "update_weights_from_tensor must run between begin_weight_update() "
+                 "and end_weight_update()"}, status=400,
+            )  # fmt: skip
 
         async def load() -> None:
             t0 = time.perf_counter()
@@ -421,6 +434,11 @@ def build_app(
              "new_version": engine.weight_version}
         )  # fmt: skip
 
+    async def removed_weight_version(request: web.Request) -> web.Response:
+        # http_server.py (0.5.14-0.5.20): the route still exists and answers FastAPI's HTTPException 404
+        detail = "Endpoint '/get_weight_version' or '/weight_version' is deprecated. Please use '/model_info' instead."
+        return web.json_response({"detail": detail}, status=404)
+
     async def release_memory(request: web.Request) -> web.Response:
         # http_server.py: release_memory_occupation(ReleaseMemoryOccupationReqInput{tags}) -> 200 empty; a failure
         # is `_create_error_response`.
@@ -453,6 +471,9 @@ def build_app(
     r.add_post("/update_weights_from_tensor", update_weights_from_tensor)
     r.add_post("/update_weights_from_disk", update_weights_from_disk)
     r.add_post("/update_weight_version", update_weight_version)
+    if not sessions:
+        r.add_get("/get_weight_version", removed_weight_version)
+        r.add_get("/weight_version", removed_weight_version)
     # /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group and the
     # /begin_weight_update … /end_weight_update session (weight_group.py)
     register_weight_group_endpoints(app, engine, state, int(server_args.get("tp_size") or 1), server_args.get("host"))
@@ -463,7 +484,9 @@ def build_app(
         r.add_get(path, handler)
         r.add_post(path, handler)
     r.add_post("/_fault", fault)
-    register_weights_checker(app, engine)  # GET/POST /weights_checker (http_server.py: check_weights)
+    register_weights_checker(
+        app, engine, skip_list=sessions
+    )  # GET/POST /weights_checker (http_server.py: check_weights)
     # POST /v1/chat/completions (serving_chat.py): generative reward models are asked through it
     register_chat_completions(app, engine, str(server_args.get("served_model_name") or "default"))
 

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from aiohttp import web
 
 from sim.fake_sglang import validation as v
+from sim.fake_sglang.releases import has_update_sessions
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +205,8 @@ def register_weight_group_endpoints(
     """Add the distributed weight-update endpoints and the weight-update session to the fake server's app.
     `bind_host`: the server's --host, where the members' gloo sockets listen (None: gloo's default device)."""
     groups: dict[str, WeightGroup] = {}
-    session: dict[str, Any] = {"open": False, "loaded": False}
+    session: dict[str, Any] = state["weight_update_session"]  # shared with /update_weights_from_tensor
+    sessions = has_update_sessions(state["version"])  # releases without them load outside any session
 
     async def body_of(request: web.Request, model: v.Model) -> dict[str, Any]:
         """The validated body (a v.RequestError with SGLang's 400 otherwise); the raw one goes to the log."""
@@ -244,7 +246,7 @@ def register_weight_group_endpoints(
         request["log"]["body"] = {k: x for k, x in raw.items() if k not in ("names", "dtypes", "shapes")}
         request["log"]["num_tensors"] = len(body["names"])
         name = body["group_name"]
-        if not session["open"]:
+        if sessions and not session["open"]:
             return _reply(False, "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()")  # fmt: skip
         if name not in groups:
             return _reply(False, f"Group {name} not in {list(groups)}. Please call `init_weights_update_group` first.")
@@ -292,7 +294,8 @@ def register_weight_group_endpoints(
     r.add_post("/init_weights_update_group", init_group)
     r.add_post("/destroy_weights_update_group", destroy_group)
     r.add_post("/update_weights_from_distributed", update_from_distributed)
-    r.add_post("/begin_weight_update", begin_update)
-    r.add_post("/end_weight_update", end_update)
+    if sessions:
+        r.add_post("/begin_weight_update", begin_update)
+        r.add_post("/end_weight_update", end_update)
     app.on_cleanup.append(on_cleanup)
     state["weight_groups"] = groups

@@ -61,10 +61,22 @@ _SGLANG_METADATA_CLASSES = {
 }
 
 
+# python/sglang/srt/utils/common.py SafeUnpickler: the modules a payload may name (0.5.14-0.5.20 check these
+# prefixes; 0.5.21+ list single classes from the same modules). Anything else is refused before it is imported.
+_ALLOWED_MODULES = (
+    "builtins.", "collections.", "copyreg.", "functools.", "itertools.", "operator.", "types.", "weakref.",
+    "torch.", "multiprocessing.resource_sharer.", "multiprocessing.reduction.", "sglang.srt.",
+)  # fmt: skip
+
+
 class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _SGLANG_METADATA_CLASSES:
             return FlattenedTensorMetadata
+        if not (module + ".").startswith(_ALLOWED_MODULES):
+            raise RuntimeError(
+                f"Blocked unsafe class loading ({module}.{name}), to prevent exploitation of CVE-2025-10164"
+            )
         return super().find_class(module, name)
 
 

@@ -35,6 +35,15 @@ def server(ckpt, tmp_path_factory):
             yield s
 
 
+def update(c: httpx.Client, body: dict) -> httpx.Response:
+    """One `/update_weights_from_tensor` inside its own update session (SGLang 0.5.21+ loads only inside one)."""
+    assert c.post("/begin_weight_update", json={}).json()["success"] is True
+    try:
+        return c.post("/update_weights_from_tensor", json=body)
+    finally:
+        assert c.post("/end_weight_update", json={}).json()["success"] is True
+
+
 def gen(c: httpx.Client, **body) -> dict:
     r = c.post("/generate", json=body)
     assert r.status_code == 200, r.text
@@ -195,7 +204,7 @@ def test_pause_in_place_holds_running_and_new_requests_then_continue(server, ckp
     answers = {}
     for flush in (True, False):
         body, _keep = build_update_body(same, flush_cache=flush)
-        answers[flush] = c.post("/update_weights_from_tensor", json=body)
+        answers[flush] = update(c, body)
     assert answers[True].status_code == 500, answers[True].text
     assert answers[True].json()["error"]["message"] == "Cache flush failed after updating weights"
     assert answers[False].status_code == 200 and answers[False].json()["success"] is True
@@ -228,7 +237,8 @@ def test_update_weights_from_tensor_changes_outputs_and_version(server, ckpt, lo
         (n, torch.randn(t.shape, generator=g) * 0.5) for n, t in original.items() if "layers.1." in n or "embed" in n
     ]
     body, keep = build_update_body(new, load_format=load_format, weight_version="v7")
-    r = c.post("/update_weights_from_tensor", json=body)
+    assert c.post("/update_weights_from_tensor", json=body).status_code == 400  # outside a session (0.5.21+)
+    r = update(c, body)
     assert r.status_code == 200 and r.json()["success"] is True, r.text
     after = gen(c, input_ids=[3, 4, 5], sampling_params=sp)
     assert after["meta_info"]["weight_version"] == "v7"
@@ -236,11 +246,11 @@ def test_update_weights_from_tensor_changes_outputs_and_version(server, ckpt, lo
     assert c.get("/model_info").json()["weight_version"] == "v7"
     # Restore the original weights (other tests share this server) and check outputs come back exactly.
     body, keep = build_update_body(list(original.items()), load_format=load_format, weight_version="default")
-    assert c.post("/update_weights_from_tensor", json=body).json()["success"] is True
+    assert update(c, body).json()["success"] is True
     assert gen(c, input_ids=[3, 4, 5], sampling_params=sp)["output_ids"] == before["output_ids"]
     del keep
     bad, _k = build_update_body([("no.such.param", torch.zeros(2))], weight_version="bad")
-    r = c.post("/update_weights_from_tensor", json=bad)
+    r = update(c, bad)
     assert r.status_code == 400 and r.json()["success"] is False
     assert c.get("/model_info").json()["weight_version"] == "default"
 
@@ -265,7 +275,7 @@ def test_stop_strings_stop_token_ids_and_request_log(server, ckpt):
     # An update of its own (the served weights again): the module-scoped server may be fresh when xdist
     # interleaves modules, so the log cannot rely on another test's update.
     body, keep = build_update_body(list(load_file(str(ckpt / "model.safetensors")).items()), weight_version="default")
-    assert c.post("/update_weights_from_tensor", json=body).json()["success"] is True
+    assert update(c, body).json()["success"] is True
     del keep
     first = gen(c, input_ids=[3, 4, 5], sampling_params={"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True})
     stop_id = first["output_ids"][2]

@@ -74,7 +74,8 @@ CASES = [
     ("/update_weights_from_disk", b'{"model_path": 3}', J, VALIDATION, "Input should be a valid string"),
     ("/update_weights_from_tensor", b'{"serialized_named_tensors": ["YW Jj"]}', J, VALIDATION,
      "Expected base64-encoded bytes"),
-    ("/update_weights_from_tensor", b'{"serialized_named_tensors": ["/w=="]}', J, WEIGHTS, "Failed to update weights"),
+    ("/update_weights_from_tensor", b'{"serialized_named_tensors": ["/w=="]}', J, WEIGHTS,
+     "must run between begin_weight_update() and end_weight_update()"),
     ("/init_weights_update_group", b'{"master_address": "a", "master_port": 5.5, "rank_offset": 1, "world_size": 2}',
      J, VALIDATION, "got a number with a fractional part"),
     ("/update_weights_from_distributed", b'{"names": ["a"], "dtypes": ["x"], "shapes": [2]}', J, VALIDATION,
@@ -89,12 +90,13 @@ CASES = [
 ]  # fmt: skip
 
 
-async def _answers(requests: list[tuple[str, str, bytes, dict]]) -> list[tuple[int, str]]:
+async def _answers(requests: list[tuple[str, str, bytes, dict]], version: str = "0.5.23") -> list[tuple[int, str]]:
     engine = SyntheticEngine(config=dict(DEFAULT_CONFIG, output_len={"dist": "fixed", "value": 2}))
     task = asyncio.create_task(engine.run())
     out = []
+    app = build_app(engine, server_args={"tp_size": 1, "sglang_version": version})
     try:
-        async with TestClient(TestServer(build_app(engine, server_args={"tp_size": 1}), host="127.0.0.1")) as c:
+        async with TestClient(TestServer(app, host="127.0.0.1")) as c:
             for method, path, body, headers in requests:
                 async with c.request(method, path, data=body, headers=headers) as r:
                     out.append((r.status, await r.text()))
@@ -123,6 +125,41 @@ def test_malformed_bodies_get_sglangs_status_shape_and_words():
             assert words in got["error"]["message"], what
         else:
             assert got["success"] is False and words in got["message"], what
+
+
+def _payload(obj: object) -> bytes:
+    import base64
+    import pickle
+
+    return json.dumps({"serialized_named_tensors": [base64.b64encode(pickle.dumps(obj)).decode()]}).encode()
+
+
+@pytest.mark.parametrize("version", ["0.5.17", "0.5.23"])
+def test_weight_payloads_are_unpickled_as_sglangs_safe_unpickler_does(version):
+    """A payload is refused before it loads unless its classes come from the modules SGLang's SafeUnpickler admits
+    (python/sglang/srt/utils/common.py): slime's metadata travels as `types.SimpleNamespace` for that reason. 0.5.23
+    loads only inside an update session, 0.5.17 has none (its /begin_weight_update is a 404)."""
+    import argparse
+    import types
+
+    sessions = version == "0.5.23"
+    begin = [("POST", "/begin_weight_update", b"{}", J)] if sessions else []
+    end = [("POST", "/end_weight_update", b"{}", J)] if sessions else []
+    refused = ("POST", "/update_weights_from_tensor", _payload(argparse.Namespace(a=1)), J)
+    admitted = ("POST", "/update_weights_from_tensor", _payload([types.SimpleNamespace(name="x")]), J)
+    answers = asyncio.run(
+        _answers([*begin, refused, admitted, *end, ("POST", "/begin_weight_update", b"{}", J)], version)
+    )
+    if sessions:
+        assert [s for s, _ in answers[:1] + answers[-2:]] == [200, 200, 200]
+        answers = answers[1:-2]
+    else:
+        assert answers[-1][0] == 404
+        answers = answers[:-1]
+    (s1, t1), (s2, t2) = answers
+    assert s1 == 400 and "Blocked unsafe class loading (argparse.Namespace)" in json.loads(t1)["message"], t1
+    # unpickled, then refused for what it holds (not a list of (name, tensor)): past the unpickler's gate
+    assert s2 == 400 and "Blocked" not in json.loads(t2)["message"], t2
 
 
 def test_what_sglang_accepts_the_fake_accepts():

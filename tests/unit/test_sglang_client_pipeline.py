@@ -145,25 +145,35 @@ def test_a_server_closing_midway_is_an_error_not_a_missing_answer(server) -> Non
         assert c.request("POST", "/again", {})[0] == 200  # a fresh connection afterwards
 
 
-def test_weight_sync_session_against_the_fake_server(tmp_path) -> None:
+@pytest.mark.parametrize("version", ["0.5.17", "0.5.23"])
+def test_weight_sync_session_against_the_fake_server(tmp_path, version) -> None:
     """The session's calls pipelined to a fake SGLang server, served in order: paused and open after the start,
-    resumed after the end; a second open session and an end without one refused as SGLang refuses them."""
+    resumed after the end; a second open session and an end without one refused as SGLang 0.5.21+ refuses them.
+    A release without update sessions (0.5.17) gets pause, flush and continue only: its server has no
+    `/begin_weight_update` (it would answer 404 and the sync would fail at its first call)."""
     from sim.fake_sglang.testing import launch_fake_sglang
 
     (tmp_path / "c.json").write_text(json.dumps({"vocab_size": 100}))
     log = tmp_path / "log.jsonl"
     args = ["--engine", "synthetic", "--synthetic-config", str(tmp_path / "c.json"), "--request-log", str(log)]
-    with launch_fake_sglang(args) as srv, SGLangClient(srv.url) as c:
+    sessions = version == "0.5.23"
+    with launch_fake_sglang([*args, "--sglang-version", version]) as srv, SGLangClient(srv.url) as c:
         start_weight_sync([c])()
         assert c.server_info()["internal_states"][0]["paused"] is True
-        with pytest.raises(SGLangError, match="already open"):
-            start_weight_sync([c])()
+        assert c.protocol.version == version and c.protocol.weight_update_sessions is sessions
+        if sessions:
+            with pytest.raises(SGLangError, match="already open"):
+                start_weight_sync([c])()
         end_weight_sync([c])
         assert c.server_info()["internal_states"][0]["paused"] is False
-        with pytest.raises(SGLangError, match="no weight-update session is open"):
-            end_weight_sync([c])
+        if sessions:
+            with pytest.raises(SGLangError, match="no weight-update session is open"):
+                end_weight_sync([c])
+        assert c.request("POST", "/begin_weight_update", {})[0] == (200 if sessions else 404)
     calls = [json.loads(line)["endpoint"] for line in log.read_text().splitlines()]
-    opening, closing = ["/pause_generation", "/flush_cache", "/begin_weight_update"], ["/end_weight_update"]
-    assert [e for e in calls if e != "/get_server_info"] == (
-        opening + opening + closing + ["/continue_generation"] + closing + ["/continue_generation"]
-    )
+    calls = [e for e in calls if e != "/server_info"][:-1]  # the last: the bare begin above
+    if sessions:
+        opening, closing = ["/pause_generation", "/flush_cache", "/begin_weight_update"], ["/end_weight_update"]
+        assert calls == opening + opening + closing + ["/continue_generation"] + closing + ["/continue_generation"]
+    else:
+        assert calls == ["/pause_generation", "/flush_cache", "/continue_generation"]

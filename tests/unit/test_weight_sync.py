@@ -40,7 +40,9 @@ def test_buckets_split_by_dtype_and_size_and_flatten_back():
             assert torch.equal(t, dict(tensors)[m.name].to(m.dtype))
 
 
-def test_sync_changes_engine_weights_exactly(ckpt, tmp_path):
+@pytest.mark.parametrize("version", ["0.5.17", "0.5.23"])
+def test_sync_changes_engine_weights_exactly(ckpt, tmp_path, version):
+    """Into a server speaking either protocol: with update sessions (0.5.21+) and without (0.5.14-0.5.20)."""
     log = tmp_path / "requests.jsonl"
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     torch.manual_seed(0)
@@ -49,7 +51,8 @@ def test_sync_changes_engine_weights_exactly(ckpt, tmp_path):
             p.add_(torch.randn_like(p) * 0.05)
     named = [(n, p.detach().clone()) for n, p in model.state_dict().items()]
     prompt = [5, 17, 42, 99, 7]
-    with launch_fake_sglang(["--engine", "hf", "--model-path", str(ckpt), "--request-log", str(log)]) as srv:
+    args = ["--engine", "hf", "--model-path", str(ckpt), "--request-log", str(log), "--sglang-version", version]
+    with launch_fake_sglang(args) as srv:
         before = httpx.get(f"{srv.url}/model_info").json()
         sync = TensorWeightSync([srv.url], bucket_bytes=64 * 1024)  # one sender: a plain URL
         try:

@@ -7,24 +7,25 @@ sync transports (CUDA IPC / shared memory, and the broadcast group) send these b
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 
-@dataclass
-class FlattenedTensorMetadata:
-    """Field-for-field SGLang's `FlattenedTensorMetadata` (python/sglang/srt/weight_sync/tensor_bucket.py)."""
+def tensor_metadata(
+    name: str, shape: torch.Size, dtype: torch.dtype, start_idx: int, end_idx: int, numel: int
+) -> SimpleNamespace:
+    """Where one tensor lies in a flat bucket: the fields of SGLang's `FlattenedTensorMetadata`
+    (python/sglang/srt/weight_sync/tensor_bucket.py), which the engine reads as attributes.
 
-    name: str
-    shape: torch.Size
-    dtype: torch.dtype
-    start_idx: int
-    end_idx: int
-    numel: int
+    Why a `types.SimpleNamespace` and not SGLang's class: the payload is unpickled by SGLang's `SafeUnpickler`
+    (python/sglang/srt/utils/common.py), which admits `types.SimpleNamespace` in every release slime speaks (0.5.14-
+    0.5.20 admit the `types.` module, 0.5.21+ list the class) but no class of slime's, and the trainer has no SGLang
+    to import."""
+    return SimpleNamespace(name=name, shape=shape, dtype=dtype, start_idx=start_idx, end_idx=end_idx, numel=numel)
 
 
 Item = tuple[str, torch.Tensor] | tuple[str, torch.Tensor, torch.Size, torch.dtype]
@@ -97,7 +98,6 @@ def _whole_storage(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _in_place_plan(items: Iterable[Item]) -> tuple[list[_Group], list[Item]]:
     groups: dict[int, _Group] = {}
     rest: list[Item] = []
-    cls = _metadata_class()
     for item in items:
         name, t, shape, dtype = _spec(item)
         storage = t.untyped_storage()
@@ -108,7 +108,7 @@ def _in_place_plan(items: Iterable[Item]) -> tuple[list[_Group], list[Item]]:
             continue
         group = groups.setdefault(key, _Group(t, dtype, [], 0))
         start = t.storage_offset()
-        group.meta.append(cls(name, shape, dtype, start, start + shape.numel(), shape.numel()))
+        group.meta.append(tensor_metadata(name, shape, dtype, start, start + shape.numel(), shape.numel()))
         group.nbytes += _nbytes(shape, dtype)
     return list(groups.values()), rest
 
@@ -142,17 +142,6 @@ def buckets_by_dtype(named_tensors: Iterable[Item], bucket_bytes: int) -> Iterat
     yield from pending.values()
 
 
-@functools.cache
-def _metadata_class() -> type:
-    """SGLang's own class where SGLang is installed: the payload is unpickled in the server, which must find the
-    class by its module path. Without SGLang (CPU runs against the fake) the stand-in above travels instead."""
-    try:
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata as cls
-    except ImportError:
-        return FlattenedTensorMetadata
-    return cls
-
-
 def flatten(bucket: list[Item], buffer: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Any]]:
     """One 1-D tensor of the bucket's dtype holding every tensor back to back, and where each one lies.
 
@@ -160,9 +149,9 @@ def flatten(bucket: list[Item], buffer: torch.Tensor | None = None) -> tuple[tor
     returned — one copy per tensor straight into its slot, strided views and dtype casts included (no
     intermediate copies), and no new allocation per bucket. Without it a new tensor is made."""
     specs = [_spec(item) for item in bucket]
-    meta, start, cls = [], 0, _metadata_class()
+    meta, start = [], 0
     for name, _, shape, dtype in specs:
-        meta.append(cls(name, shape, dtype, start, start + shape.numel(), shape.numel()))
+        meta.append(tensor_metadata(name, shape, dtype, start, start + shape.numel(), shape.numel()))
         start += shape.numel()
     if buffer is None:
         dtype = specs[0][3]
@@ -216,12 +205,12 @@ class GatherPlan:
         index_bytes = 8 * sum(starts.numel() for members in by_run.values() for _, _, starts in members)
         if index_bytes > max(1 << 20, bucket_nbytes(bucket) // 16):
             return None
-        meta, gathers, cursor, kind = [], [], 0, _metadata_class()
+        meta, gathers, cursor = [], [], 0
         for run, members in by_run.items():
             rows = torch.cat([starts for _, _, starts in members])
             gathers.append((run, cursor, rows.pin_memory() if first.is_cuda else rows))  # pinned: uploads async
             for name, shape, _ in members:
-                meta.append(kind(name, shape, dtype, cursor, cursor + shape.numel(), shape.numel()))
+                meta.append(tensor_metadata(name, shape, dtype, cursor, cursor + shape.numel(), shape.numel()))
                 cursor += shape.numel()
         return cls(first, dtype, meta, gathers, cursor)
 

@@ -2,8 +2,9 @@
 
 Every module that controls an inference server (the engine actor, weight sync from the trainer, the rollout's
 abort, the weight checker) asks this client, so an endpoint's body and its error handling live in one place.
-Bodies follow SGLang 0.5.23 (`python/sglang/srt/managers/io_struct.py`, `python/sglang/srt/entrypoints/
-http_server.py`); `docs/sglang_contract.md` lists what slime relies on. The data path (`/generate`) is not
+Bodies follow `python/sglang/srt/managers/io_struct.py` and `python/sglang/srt/entrypoints/http_server.py` of the
+release the server reports (`protocol`, `versions.py`: 0.5.14 to 0.5.23); `docs/sglang_contract.md` lists what
+slime relies on. The data path (`/generate`) is not
 here: it goes through the router (`slime/rollout/generate.py`).
 
 Why `http.client` and not httpx: a weight sync is a chain of small control calls (pause, flush, begin, one per
@@ -24,6 +25,8 @@ import urllib.parse
 import weakref
 from collections.abc import Callable
 from typing import Any
+
+from slime.backends.sglang.versions import PAUSE_MODES, SGLangProtocol, protocol_for
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +82,7 @@ class SGLangClient:
         self._streams: dict[http.client.HTTPConnection, _Stream] = {}  # per connection, its thread's own
         self._unread: dict[http.client.HTTPConnection, int] = {}  # per connection, `send`s not yet read
         self._resent: weakref.WeakSet[http.client.HTTPConnection] = weakref.WeakSet()  # closed before answering
+        self._protocol: SGLangProtocol | None = None
 
     def close(self) -> None:
         with self._lock:
@@ -236,14 +240,30 @@ class SGLangClient:
             return False
 
     def server_info(self) -> dict[str, Any]:
-        return self._call("GET", "/get_server_info", timeout=30.0)
+        """`/server_info` (every release slime speaks; the older alias `/get_server_info` logs a deprecation on the
+        server each time)."""
+        return self._call("GET", "/server_info", timeout=30.0)
+
+    @property
+    def protocol(self) -> SGLangProtocol:
+        """What this server's release speaks, asked once (`/server_info`'s `version`)."""
+        if self._protocol is None:
+            version = self.server_info().get("version")
+            if not version:
+                raise SGLangError(f"{self.url}/server_info reports no version: not an SGLang server slime knows")
+            self._protocol = protocol_for(str(version))
+        return self._protocol
 
     def weight_version(self) -> str:
         return str(self._call("GET", "/model_info", timeout=30.0).get("weight_version"))
 
     # ---- scheduling -------------------------------------------------------------------------------------
-    def pause_generation(self) -> None:
-        self._call("POST", "/pause_generation")
+    def pause_generation(self, mode: str = "abort") -> None:
+        """`abort` (SGLang's default) answers in-flight requests as aborted with their tokens so far; `in_place` keeps
+        them in the scheduler with their KV cache; `retract` moves them back to the waiting queue."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r}: expected one of {PAUSE_MODES}")
+        self._call("POST", "/pause_generation", {"mode": mode})
 
     def continue_generation(self) -> None:
         self._call("POST", "/continue_generation")
@@ -272,10 +292,13 @@ class SGLangClient:
 
     # ---- weights ----------------------------------------------------------------------------------------
     def begin_weight_update(self) -> None:
-        self._call("POST", "/begin_weight_update", {"selector": "all"})
+        """Open a weight-update session where the release has them (0.5.21+); a no-op before."""
+        if self.protocol.weight_update_sessions:
+            self._call("POST", "/begin_weight_update", {"selector": "all"})
 
     def end_weight_update(self) -> None:
-        self._call("POST", "/end_weight_update")
+        if self.protocol.weight_update_sessions:
+            self._call("POST", "/end_weight_update")
 
     def update_weights_from_tensor(
         self, serialized_named_tensors: list[str], weight_version: str, load_format: str = "flattened_bucket"
@@ -317,33 +340,49 @@ class SGLangClient:
         self._call("POST", "/destroy_weights_update_group", {"group_name": group_name})
 
     def weight_checksums(self, skip_tensor_list: list[str] | None = None) -> dict[str, Any]:
-        """`/weights_checker {"action": "checksum"}`: per-rank, per-tensor checksums of the loaded weights."""
+        """`/weights_checker {"action": "checksum"}`: per-rank, per-tensor checksums of the loaded weights, without
+        the tensors whose names contain a `skip_tensor_list` entry (left out here where the release ignores it)."""
         body: dict[str, Any] = {"action": "checksum"}
-        if skip_tensor_list:
+        local_skip = bool(skip_tensor_list) and not self.protocol.checker_skip_list
+        if skip_tensor_list and not local_skip:
             body["skip_tensor_list"] = skip_tensor_list
-        return self._call("POST", "/weights_checker", body, timeout=120.0)
+        data = self._call("POST", "/weights_checker", body, timeout=120.0)
+        if local_skip:
+            for rank in data.get("ranks") or []:
+                sums = rank.get("checksums") or {}
+                rank["checksums"] = {n: c for n, c in sums.items() if not any(p in n for p in skip_tensor_list)}
+        return data
+
+
+def _session_calls(client: SGLangClient, calls: list[tuple[str, str, Any]]) -> list[tuple[str, str, Any]]:
+    """`calls` without the session's begin/end where the release has no update sessions (before 0.5.21)."""
+    if client.protocol.weight_update_sessions:
+        return calls
+    return [c for c in calls if c[1] not in ("/begin_weight_update", "/end_weight_update")]
 
 
 def start_weight_sync(clients: list[SGLangClient]) -> Callable[[], None]:
-    """Open a weight update on every engine: pause generation, flush the cache, begin the update session
-    (SGLang 0.5.23 loads weights only inside `/begin_weight_update` ... `/end_weight_update`). The pause uses
-    SGLang's default mode, `abort`: a request still in flight (none in the synchronous loop, which syncs
-    between rollouts) comes back aborted with its tokens so far.
+    """Open a weight update on every engine: pause generation, flush the cache, and where the release has them
+    (0.5.21+, which loads weights only inside `/begin_weight_update` ... `/end_weight_update`) begin the update
+    session. The pause uses SGLang's default mode, `abort`: a request still in flight (none in the synchronous
+    loop, which syncs between rollouts) comes back aborted with its tokens so far.
 
     The three calls go to every engine at once, pipelined (`SGLangClient.send`); this returns the function that
     reads the answers, so the caller packs its first buckets meanwhile. A flush refused because aborted requests
     are still finishing is retried until the engine is idle; no weights are posted before that."""
     calls = [("POST", "/pause_generation", {}), ("POST", "/flush_cache", None),
              ("POST", "/begin_weight_update", {"selector": "all"})]  # fmt: skip
-    reads = [(c, c.send(calls)) for c in clients]
+    sent = [(c, _session_calls(c, calls)) for c in clients]
+    reads = [(c, own, c.send(own)) for c, own in sent]
 
     def opened() -> None:
-        for c, read in reads:
-            (paused, paused_body), (flushed, _), (begun, begun_body) = read()
+        for c, own, read in reads:
+            (paused, paused_body), (flushed, _), *begun = read()
             c._checked("/pause_generation", paused, paused_body)
             if flushed != 200:
                 c.flush_cache()
-            c._checked("/begin_weight_update", begun, begun_body)
+            for (_, endpoint, _), (status, body) in zip(own[2:], begun, strict=True):
+                c._checked(endpoint, status, body)
 
     return opened
 
@@ -363,11 +402,12 @@ def start_end_weight_sync(clients: list[SGLangClient]) -> Callable[[], None]:
     start ran while generation was paused, and nothing fills the cache until it continues (slime v0.3.0 flushes
     once too)."""
     calls = [("POST", "/end_weight_update", {}), ("POST", "/continue_generation", {})]
-    reads = [(c, c.send(calls)) for c in clients]
+    sent = [(c, _session_calls(c, calls)) for c in clients]
+    reads = [(c, own, c.send(own)) for c, own in sent]
 
     def closed() -> None:
-        for c, read in reads:
-            for (_, endpoint, _), (status, body) in zip(calls, read(), strict=True):
+        for c, own, read in reads:
+            for (_, endpoint, _), (status, body) in zip(own, read(), strict=True):
                 c._checked(endpoint, status, body)
 
     return closed
