@@ -8,10 +8,68 @@
 # Each OUTDIR gets an install.sh; on the GPU host, from the repository root:
 #   source .offline-core/install.sh && source .offline-router/install.sh
 # installs them into .offline-site/ and puts it (and the repository) on PYTHONPATH.
+# A third set, sglang (OUTDIR default .offline-sglang), is SGLang itself for the server processes only; it is
+# built by its own block below and installed by OUTDIR/install.sh into .sgl-site/ (docs/offline_gpu.md).
 # Usage: bash scripts/pack_offline_deps.sh [core|router] [OUTDIR] [--python-version 3.12]
+#        bash scripts/pack_offline_deps.sh sglang [OUTDIR]
 set -euo pipefail
 set_name=core
-case "${1:-}" in core | router) set_name=$1; shift ;; esac
+case "${1:-}" in core | router) set_name=$1; shift ;; sglang) shift; set_name=sglang ;; esac
+if [ "$set_name" = sglang ]; then
+  # ----------------------------------------------------------------------------------------------------------
+  # sglang: SGLang 0.5.17 and the packages its HTTP server imports to serve a dense bf16 Qwen2/Llama model with
+  # --attention-backend triton --sampling-backend pytorch [--enable-memory-saver], for the GPU host's CPython
+  # 3.12 / torch 2.11.0+cu130 / sm90. Every wheel exact-pinned and --no-deps: the host's own packages (torch,
+  # triton, numpy, huggingface-hub, ... see docs/offline_gpu.md) are not packed. The pins were found by an
+  # import walk of the serving path (scripts/sglang_pack/cpu_verify.py --walk): a package here is imported at
+  # module level on that path, or is a hard dependency of one that is (jiter/distro/sniffio for openai,
+  # pycparser for cffi).
+  # Output: OUTDIR/cN/{site-N.tar.xz,PACK_ID,MANIFEST.sha256}, each chunk <= 60 MB (c1: everything the server
+  # needs to start; c2: the prebuilt JIT cache and lazily loaded extras), OUTDIR/install.sh and OUTDIR/pack/.
+  # Build machine needs: python3 with pip, network to PyPI, xz, binutils (strip); optionally SGLPACK_JIT_PYTHON
+  # (a CPython 3.12 with torch 2.11) and nvcc 13.0 to prebuild the sm90 JIT cache (skipped without them).
+  sglang_pkgs=(
+    # sglang and its pinned kernels / grammar / model stack
+    sglang==0.5.17 sglang-kernel==0.4.5 flashinfer-python==0.6.15.post1 apache-tvm-ffi==0.1.11 xgrammar==0.2.1
+    transformers==5.12.1 tokenizers==0.22.2 torch-memory-saver==0.0.10
+    # openai-compatible entrypoints (openai types, serving_chat's jsonschema, tool-call parsing)
+    openai==2.6.1 jiter==0.19.0 distro==1.9.0 sniffio==1.3.1 jsonschema==4.26.0 referencing==0.37.0
+    rpds-py==2026.9.1 jsonschema-specifications==2025.9.1 partial-json-parser==0.2.1.1.post7
+    # web stack, all from one set so that pydantic and pydantic-core (etc.) ahead of .offline-site match
+    fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 pydantic==2.14.4 pydantic-core==2.50.5
+    annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 opentelemetry-api==1.45.2
+    python-multipart==0.0.34 orjson==3.13.0 watchfiles==1.3.0 zstandard==0.25.0
+    # scheduler / tokenizer-manager IPC and utilities imported at module level
+    pyzmq==27.3.0 msgspec==0.23.0 pybase64==1.5.1 setproctitle==1.3.8 dill==0.4.1
+    compressed-tensors==0.20.1 loguru==0.7.3 gguf==0.19.0 soundfile==0.13.1 cffi==2.1.1 pycparser==3.12
+    ipython==9.18.1 traitlets==5.16.1
+  )
+  # Left out of sglang 0.5.17's Requires-Dist, and why (the import walk never reaches them on this path):
+  #   torch, torchaudio, torchvision, triton, numpy, numba, timm, einops, aiohttp, requests, psutil, pillow,
+  #     scipy, sentencepiece, tiktoken, tqdm, uvloop, xxhash, ninja, packaging, nvidia-ml-py, prometheus-client,
+  #     huggingface-hub: already on the host (its list in docs/offline_gpu.md)
+  #   cuda-python: a metapackage; the host's cuda-bindings is what flashinfer imports
+  #   flashinfer's cubin/jit-cache wheels, nvidia-cudnn-frontend, cuda-tile, nccl4py: flashinfer try-imports
+  #     them (cuDNN attention, cuTile GEMM, NCCL comm); triton attention + pytorch sampling never use them
+  #   flash-attn-4, quack-kernels, nvidia-cutlass-dsl, nvidia-mathdx, tilelang, tokenspeed_mla,
+  #     sgl-deep-gemm, helion, humming-kernels: FA4 / CuTe-DSL / MLA / DSA / fp8 / MoE kernels of other paths
+  #   torchao (--torchao-config only), outlines, llguidance, interegular (other grammar backends),
+  #     openai-harmony (gpt-oss and /v1/responses, try-imported), anthropic (no loaded module imports it),
+  #     mistral_common, modelscope, blobfile, datasets, easydict, kernels, py-spy, smg-grpc-servicer, build,
+  #     torchcodec (Mistral tokenizers, ModelScope hub, Azure, benchmarks/tests, hub kernels, a CLI tool,
+  #     gRPC mode, packaging, video input)
+  # Removed from the wheels (scripts/sglang_pack/build.sh, recorded in .sgl-site/SGLPACK-INFO.txt):
+  #   sgl_kernel/flash_ops.abi3.so (FA3, 1.1 GB; only sgl_kernel/flash_attn.py imports it), sgl_kernel/sm100/
+  #   (the non-Hopper build), sgl_kernel/flashmla_ops.abi3.so (MLA, try-imported), xgrammar/lib/libxgrammar.a
+  #   (static lib, 65 MB); debug info stripped from libxgrammar_bindings.so and zstandard; sgl_kernel's
+  #   infllm_ops (loaded lazily, InfLLM sparse attention only) moves to chunk 2.
+  # Patched: sgl_kernel/elementwise.py runs rmsnorm/fused_add_rmsnorm on its precompiled sm90 common_ops
+  #   instead of flashinfer.norm (an nvcc JIT build at first use that needs cuBLAS/cuRAND headers and an
+  #   unversioned libcuda.so); SGLPACK_FLASHINFER_NORM=1 restores upstream behaviour.
+  out=${1:-.offline-sglang}
+  here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+  exec bash "$here/sglang_pack/build.sh" "$out" "${sglang_pkgs[@]}"
+fi
 out=${1:-.offline-$set_name}
 [ $# -gt 0 ] && shift
 pyver=3.12
