@@ -42,6 +42,7 @@ DERIVED = {
     "world_size": "train ranks (--actor-num-nodes x --actor-num-gpus-per-node)",
     "sglang_model_routers": "{model name: router URL}, set once the routers are up",
     "role_overrides": "{role: {dest: value}} from --megatron-config / --critic-load / --critic-save",
+    "sglang_version": "the SGLang release the servers run, learnt by preflight (None: simulated or external)",
 }
 
 
@@ -199,6 +200,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
         raise SlimeArgError(f"--hf-checkpoint {args.hf_checkpoint}: no config.json there (expected an HF model dir)")
     resolve_agent_args(args)
     args.sglang_model_routers = {}
+    args.sglang_version = None
 
 
 def default_args(**overrides: Any) -> argparse.Namespace:
@@ -211,6 +213,7 @@ def default_args(**overrides: Any) -> argparse.Namespace:
     args.world_size = 1
     args.sglang_model_routers = {}
     args.role_overrides = {}
+    args.sglang_version = None
     for key, value in overrides.items():
         if key not in vars(args):
             close = difflib.get_close_matches(key, vars(args), n=1)

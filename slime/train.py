@@ -18,6 +18,7 @@ logger = logging.getLogger(__name__)
 
 def preflight(args: Namespace) -> int:
     """Validate files before anything starts; returns the number of training prompts (0 when replaying)."""
+    from slime.backends.sglang.engine_choice import check_rollout_engine
     from slime.backends.sglang.sglang_config import check_model_references
 
     check_model_references(args)  # teachers, served reference and reward model exist in --sglang-config
@@ -30,7 +31,9 @@ def preflight(args: Namespace) -> int:
         raise SlimeArgError("--prompt-data is required (JSONL or parquet of prompts)")
     from slime.rollout.dataset import validate_prompt_data
 
-    return validate_prompt_data(args)
+    num_prompts = validate_prompt_data(args)
+    check_rollout_engine(args)  # which servers start (never the simulated ones silently on CUDA); their flags
+    return num_prompts
 
 
 def resolve_num_rollout(args: Namespace, num_prompts: int) -> int:

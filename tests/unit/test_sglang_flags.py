@@ -96,7 +96,7 @@ def test_every_snapshot_option_is_registered_except_skipped():
 def test_unknown_sglang_flag_one_line_with_suggestion():
     msg = _error(["--sglang-mem-fraction-statc", "0.5"])
     assert msg == (
-        "unknown SGLang flag --sglang-mem-fraction-statc (not a flag of SGLang 0.5.23's ServerArgs); "
+        "unknown SGLang flag --sglang-mem-fraction-statc (not a flag of SGLang 0.5.17 or 0.5.23's ServerArgs); "
         "did you mean --sglang-mem-fraction-static? Run 'slime train --help-sglang' to list them"
     )
     assert "did you mean" not in _error(["--sglang-zzzz-qqqq=1"])

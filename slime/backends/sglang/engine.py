@@ -9,16 +9,15 @@ than a node is one actor per node: node rank 0 serves HTTP and is "the engine"; 
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 from argparse import Namespace
 from typing import Any
 
 from slime.backends.sglang.client import SGLangClient
+from slime.backends.sglang.engine_choice import choose_rollout_engine
 from slime.backends.sglang.server_args import build_server_argv
 from slime.utils.console import configure_actor
-from slime.utils.cuda import cuda_available
 from slime.utils.http_utils import find_free_port, node_address
 from slime.utils.process import ManagedProcess, log_tail, start_with_free_port
 
@@ -26,10 +25,13 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_backend(args: Namespace) -> str:
-    """`--rollout-engine auto` picks real SGLang only where it can run (installed and CUDA present)."""
+    """'sglang' or 'sim': decided by the driver's preflight (`engine_choice.check_rollout_engine` writes it back
+    onto args); asked again here only for an `auto` that reached an engine without one."""
     if args.rollout_engine != "auto":
         return args.rollout_engine
-    return "sglang" if importlib.util.find_spec("sglang") is not None and cuda_available() else "sim"
+    engine, why = choose_rollout_engine(args)
+    logger.info("rollout engine: %s", why)
+    return engine
 
 
 class SGLangEngine:

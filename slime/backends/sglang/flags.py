@@ -5,6 +5,10 @@ typo in a pass-through flag must fail in the driver, before Ray starts, not minu
 `scripts/gen_sglang_flags.py` / `scripts/gen_router_flags.py` freeze `ServerArgs.add_cli_args` and the
 router's CLI per version; tests compare the snapshots with the live parsers.
 
+Several SGLang releases are spoken (versions.py): the parser accepts the flags of every committed snapshot (a
+dest's newest form wins), and the run's preflight checks the flags the user set against the release its servers
+will run (`check_release_flags`; the live parser itself where SGLang is importable: `live_parser.py`).
+
 Every snapshot option is re-registered with a prefix and `default=None`, so `args.sglang_<dest>` is None
 exactly when the user did not set it, and only user choices are forwarded to SGLang.
 """
@@ -26,7 +30,8 @@ from slime.utils.errors import SlimeArgError
 
 logger = logging.getLogger(__name__)
 
-SGLANG_VERSION = "0.5.23"
+SGLANG_SNAPSHOT_VERSIONS = ("0.5.17", "0.5.23")  # oldest first; regenerate with scripts/gen_sglang_flags.py
+SGLANG_VERSION = SGLANG_SNAPSHOT_VERSIONS[-1]  # the newest: the fake's release, and the default for checks
 ROUTER_VERSION = "0.3.2"
 SGLANG_SNAPSHOT = f"sglang_flags_{SGLANG_VERSION}.json"
 ROUTER_SNAPSHOT = f"router_flags_{ROUTER_VERSION}.json"
@@ -75,6 +80,11 @@ SLIME_SGLANG_FLAGS: dict[str, dict[str, Any]] = {
         "default": 14400,
         "help": "the router's per-request timeout (long rollouts stream for hours)",
     },
+    "sglang_python": {
+        "default": None,
+        "help": "interpreter that runs the SGLang servers (default: slime's own), e.g. a venv of SGLang's own or "
+        "the offline pack's .sgl-site/bin/python; the run checks before start which SGLang it imports",
+    },
     "sglang_server_concurrency": {
         "type": int,
         "default": 512,
@@ -101,9 +111,18 @@ def _load(name: str) -> dict[str, Any]:
     return json.loads(resources.files(__package__).joinpath(name).read_text())
 
 
-def load_sglang_snapshot() -> dict[str, Any]:
-    """SGLang's ServerArgs CLI (`{"version", "options": [...]}`); cached, treat as read-only."""
-    return _load(SGLANG_SNAPSHOT)
+def load_sglang_snapshot(version: str = SGLANG_VERSION) -> dict[str, Any]:
+    """One release's ServerArgs CLI (`{"version", "options": [...]}`); cached, treat as read-only."""
+    return _load(f"sglang_flags_{version}.json")
+
+
+def snapshot_version_for(version: str) -> str:
+    """The committed snapshot that stands for `version`: the newest one not newer than it (the oldest for older
+    releases, which versions.py refuses anyway)."""
+    from slime.backends.sglang.versions import release
+
+    older = [v for v in SGLANG_SNAPSHOT_VERSIONS if release(v) <= release(version)]
+    return older[-1] if older else SGLANG_SNAPSHOT_VERSIONS[0]
 
 
 def load_router_snapshot() -> dict[str, Any]:
@@ -112,8 +131,30 @@ def load_router_snapshot() -> dict[str, Any]:
 
 
 @cache
-def sglang_options_by_dest() -> dict[str, dict[str, Any]]:
-    return {o["dest"]: o for o in load_sglang_snapshot()["options"]}
+def sglang_options_by_dest(version: str | None = None) -> dict[str, dict[str, Any]]:
+    """dest -> option of one release's snapshot, or (None) of every snapshot, a dest's newest form winning."""
+    if version is not None:
+        return {o["dest"]: o for o in load_sglang_snapshot(version)["options"]}
+    out: dict[str, dict[str, Any]] = {}
+    for v in SGLANG_SNAPSHOT_VERSIONS:
+        out.update(sglang_options_by_dest(v))
+    return out
+
+
+@cache
+def _all_sglang_options() -> tuple[dict[str, Any], ...]:
+    """Every option of every committed snapshot to register, newest release first: an older release's option
+    keeps only the option strings no newer one registers (argparse refuses a string twice; a dest may have several
+    options, deprecated aliases among them)."""
+    seen: set[str] = set()
+    out: list[dict[str, Any]] = []
+    for version in reversed(SGLANG_SNAPSHOT_VERSIONS):
+        for opt in load_sglang_snapshot(version)["options"]:
+            strings = [s for s in opt["option_strings"] if s not in seen]
+            if strings:
+                seen.update(strings)
+                out.append(opt if len(strings) == len(opt["option_strings"]) else {**opt, "option_strings": strings})
+    return tuple(out)
 
 
 @cache
@@ -208,15 +249,16 @@ def _register(group: argparse._ArgumentGroup, opt: dict[str, Any], prefix: str, 
 
 def add_sglang_arguments(parser: argparse.ArgumentParser) -> None:
     """Register every SGLang server flag as `--sglang-<name>` (dest `sglang_<dest>`), plus slime's own."""
-    snap = load_sglang_snapshot()
     group = parser.add_argument_group(
-        f"SGLang {snap['version']} server flags (pass-through; see SGLang's docs)",
-        "Forwarded to every engine. slime sets " + ", ".join(sorted(SKIPPED_SGLANG_FLAGS)) + " itself.",
+        f"SGLang server flags of releases {', '.join(SGLANG_SNAPSHOT_VERSIONS)} (pass-through; see SGLang's docs)",
+        "Forwarded to every engine, and checked before start against the release the servers run. slime sets "
+        + ", ".join(sorted(SKIPPED_SGLANG_FLAGS))
+        + " itself.",
     )
     own = parser.add_argument_group("SGLang connection (slime)")
     for dest, kw in SLIME_SGLANG_FLAGS.items():
         own.add_argument("--" + dest.replace("_", "-"), dest=dest, **kw)
-    for opt in snap["options"]:
+    for opt in _all_sglang_options():
         if opt["dest"] in SKIPPED_SGLANG_FLAGS or f"sglang_{opt['dest']}" in SLIME_SGLANG_FLAGS:
             continue
         _register(group, opt, "sglang")
@@ -295,7 +337,7 @@ def _close(name: str, candidates: Iterable[str], then: str = "") -> str:
 
 def check_unknown_prefixed(argv_unknown: list[str]) -> None:
     """Raise one clear SlimeArgError for the first `--sglang-*` / `--router-*` flag argparse did not accept."""
-    sg_opts = _option_names(load_sglang_snapshot()["options"], "sglang")
+    sg_opts = _option_names(_all_sglang_options(), "sglang")
     rt_opts = _option_names(load_router_snapshot()["options"], "router")
     sg_known = [n for n, d in sg_opts.items() if d not in SKIPPED_SGLANG_FLAGS]
     sg_known += ["--" + d.replace("_", "-") for d in SLIME_SGLANG_FLAGS]
@@ -308,7 +350,7 @@ def check_unknown_prefixed(argv_unknown: list[str]) -> None:
                 source = _SLIME_SOURCE.get(dest, "the engine's placement")
                 raise SlimeArgError(f"{name} is not accepted: slime sets SGLang's {dest} itself from {source}")
             raise SlimeArgError(
-                f"unknown SGLang flag {name} (not a flag of SGLang {SGLANG_VERSION}'s ServerArgs)"
+                f"unknown SGLang flag {name} (not a flag of SGLang {' or '.join(SGLANG_SNAPSHOT_VERSIONS)}'s ServerArgs)"
                 + _close(name, sg_known, "Run 'slime train --help-sglang' to list them")
             )
         if name.startswith("--router-"):
@@ -355,9 +397,26 @@ def validate_override_keys(keys: Iterable[str], where: str) -> None:
             raise SlimeArgError(f"{where}: override {key!r} is not allowed: slime sets SGLang's {dest} per engine")
         if dest not in known:
             raise SlimeArgError(
-                f"{where}: unknown SGLang server arg {key!r} (not in SGLang {SGLANG_VERSION}'s ServerArgs)"
+                f"{where}: unknown SGLang server arg {key!r} (not in the ServerArgs of SGLang "
+                f"{' or '.join(SGLANG_SNAPSHOT_VERSIONS)})"
                 f"{_close(dest, known)}"
             )
+
+
+def check_release_flags(user: dict[str, Any], version: str, where: str = "") -> None:
+    """Refuse, in one line, a server flag the user set (`--sglang-*` or a --sglang-config override, as ServerArgs
+    dests) that the release `version` does not have: the other snapshot's parser accepted it at parse time."""
+    snap = snapshot_version_for(version)
+    known = sglang_options_by_dest(snap)
+    for dest in user:
+        if dest in known:
+            continue
+        elsewhere = [v for v in SGLANG_SNAPSHOT_VERSIONS if dest in sglang_options_by_dest(v)]
+        flag = f"--sglang-{dest.replace('_', '-')}" if not where else f"{where}: override {dest!r}"
+        raise SlimeArgError(
+            f"{flag} is not a server flag of SGLang {version} (the release the servers run; flags as of {snap}); "
+            f"it is one of SGLang {', '.join(elsewhere)}" + _close(dest, known)
+        )
 
 
 def sglang_flags_help() -> str:

@@ -15,7 +15,12 @@ import os
 import sys
 from typing import Any, Literal
 
-from slime.backends.sglang.flags import render_option, sglang_options_by_dest, sglang_overrides_from_args
+from slime.backends.sglang.flags import (
+    render_option,
+    sglang_options_by_dest,
+    sglang_overrides_from_args,
+    snapshot_version_for,
+)
 from slime.utils.cuda import cuda_available
 from slime.utils.errors import SlimeArgError
 
@@ -157,7 +162,8 @@ def build_server_argv(
         raise SlimeArgError(f"worker_type {worker_type!r} does not start an engine; expected one of {WORKER_TYPES}")
     if worker_type == "prefill" and bootstrap_port is None:
         raise SlimeArgError("a prefill engine needs a bootstrap_port")
-    opts = sglang_options_by_dest()
+    # rendered as the release the servers run spells them (preflight learnt it), else in the newest spelling
+    opts = sglang_options_by_dest(snapshot_version_for(args.sglang_version) if args.sglang_version else None)
     normalized = {str(k).replace("-", "_"): v for k, v in (overrides or {}).items()}
     user = sglang_overrides_from_args(args)
     pp_size = int(normalized.get("pp_size") or user.get("pp_size") or 1)
@@ -184,7 +190,7 @@ def build_server_argv(
             logger.warning("dropping override %r: not a ServerArgs flag of this SGLang snapshot", key)
             continue
         merged[key] = value
-    argv = [sys.executable, "-m", "sglang.launch_server"]
+    argv = [args.sglang_python or sys.executable, "-m", "sglang.launch_server"]
     for dest, value in merged.items():
         if value is not None:
             argv += render_option(opts[dest], value)
