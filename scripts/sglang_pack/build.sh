@@ -104,9 +104,10 @@ have=()
 for p in "${later[@]}"; do [ -e "$site/$p" ] && have+=("./$p"); done
 [ ${#have[@]} -gt 0 ] && mkchunk 2 "${have[@]}"
 pack_id=$(sha256sum "$out/c1/site-1.tar.xz" | cut -c1-16)
+nchunks=$(find "$out" -maxdepth 1 -name 'c[0-9]*' -type d | wc -l)
 rc=0
 for dir in "$out"/c[0-9]*; do
-  echo "$pack_id" > "$dir/PACK_ID"
+  echo "$pack_id $nchunks" > "$dir/PACK_ID" # install.sh: which build, and how many chunks it has
   (cd "$dir" && sha256sum -- *.tar.xz PACK_ID > MANIFEST.sha256)
   size=$(du -cb "$dir" | tail -n1 | cut -f1)
   say "$(basename "$dir"): $size bytes"

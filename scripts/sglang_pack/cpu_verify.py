@@ -161,6 +161,9 @@ def walk(report: dict) -> None:
             break
         for m in sorted(frontier):
             err = try_import(m)
+            parent = m.rpartition(".")[0]
+            if err and ("is not a package" in err or (f"'{m}'" in err and parent in sys.modules)):
+                continue  # `from pkg import name` where name is an attribute of an importable pkg
             if err:
                 failures[m] = err
     by_cause: dict[str, list[str]] = collections.defaultdict(list)

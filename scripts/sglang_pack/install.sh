@@ -107,7 +107,9 @@ fi
 
 if [ "${1:-}" = "--check" ]; then
   if [ -f "$site/.sglpack/c1" ] && [ -x "$site/bin/python" ]; then
-    echo "--- toolchain: python=$py nvcc=${root:+$root/bin/nvcc}${root:-MISSING} CUDA_HOME=${root:+$ch}" \
+    nvcc_at=MISSING
+    [ -n "$root" ] && nvcc_at=$root/bin/nvcc
+    echo "--- toolchain: python=$py nvcc=$nvcc_at CUDA_HOME=${root:+$ch}" \
       "c++=$(command -v c++ || command -v g++ || echo MISSING) ninja=$(PATH=$(dirname "$py"):$PATH command -v ninja || echo MISSING)"
     for f in "$ch/lib64/libcudart.so" "$ch/lib64/libcuda.so"; do [ -e "$f" ] || echo "--- WARNING: $f missing (JIT links need it)"; done
     timeout "${SGLPACK_CHECK_TIMEOUT:-300}" "$site/bin/python" "$site/.sglpack/check.py" || rc=1
