@@ -190,7 +190,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from sim.fake_sglang.testing import launch_fake_sglang
     from slime.backends.megatron.weight_buckets import LiveWeights
-    from slime.backends.megatron.weight_hash import WeightMismatch, check_engines, trainer_weight_checksums
+    from slime.backends.megatron.weight_hash import (
+        WeightMismatch,
+        check_engines,
+        engine_checksum_layout,
+        trainer_weight_checksums,
+    )
     from slime.backends.megatron.weight_sync import TensorWeightSync
 
     res, ckpt, (args, trainer, off) = bench_setup(a.model, a.work)
@@ -269,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in res["parts_s"].items())
             )
         try:
-            check_engines([eng.url], trainer_weight_checksums(trainer))
+            check_engines([eng.url], trainer_weight_checksums(trainer, layout=engine_checksum_layout(eng.url)))
             res["engine_weights_equal"] = True
         except WeightMismatch as e:
             res["engine_weights_equal"], res["mismatch"] = False, str(e)

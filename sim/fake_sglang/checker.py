@@ -46,7 +46,12 @@ NON_PERSISTENT_PATTERNS = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq"
 # The two hashes below are written from SGLang's source, not imported from the trainer-side twin
 # (slime.backends.megatron.weight_hash): the fake plays the engine, so agreement between the two is a check.
 def tensor_checksum(t: torch.Tensor) -> str:
-    """SGLang's CPU `tensor_hash` as 16 hex digits: SHA-256 of the raw bytes, first 8 bytes, big-endian."""
+    """SGLang's `tensor_hash` as 16 hex digits: for a CPU tensor SHA-256 of the raw bytes, first 8 bytes, big-endian;
+    a CUDA tensor goes through SGLang's GPU kernel's hash (managers/mm_utils.py), here its torch port."""
+    if t.is_cuda:
+        from slime.backends.megatron.gpu_tensor_hash import gpu_tensor_checksum
+
+        return gpu_tensor_checksum(t)
     t = t.detach().to("cpu").contiguous()
     digest = hashlib.sha256(memoryview(t.reshape(-1).view(torch.uint8).numpy())).digest()[:8]
     return f"{int.from_bytes(digest, 'big'):016x}"

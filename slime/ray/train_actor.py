@@ -297,9 +297,11 @@ class TrainRayActor:
         """`--check-weight-update-equal`: every engine's per-tensor checksums equal the trainer's (all stages)."""
         import torch.distributed as dist
 
-        from slime.backends.megatron.weight_hash import check_engines, trainer_weight_checksums
+        from slime.backends.megatron.weight_hash import check_engines, engine_checksum_layout, trainer_weight_checksums
 
-        sums = trainer_weight_checksums(self.trainer)
+        layout = [engine_checksum_layout(engine_urls[0]) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(layout, src=0)  # every sender hashes as the engines do
+        sums = trainer_weight_checksums(self.trainer, layout=layout[0])
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, sums)
         if dist.get_rank() != 0:

@@ -6,14 +6,16 @@ weight_checker.py `_compute_checksum`): per tensor ``f"{tensor_hash(t):016x}"``,
 tensor is the first 8 bytes of SHA-256 over its raw bytes read big-endian (python/sglang/srt/managers/
 mm_utils.py); the per-rank checksum is SHA-256 over the sorted (name, checksum) pairs.
 
-What can be compared with what: the fake engine (`sim/fake_sglang`, HF parameter names, CPU tensors) and
-SGLang's CPU path hash exactly what this module hashes. A GPU SGLang hashes CUDA tensors with a GPU kernel and
-names fused parameters (``qkv_proj``, ``gate_up_proj``), so its per-tensor values never equal these; there the
-check is SGLang's snapshot → reset_tensors → update → compare sequence on the engine alone.
+What can be compared with what: the engine says (`ChecksumLayout`). The fake engine (`sim/fake_sglang`) names
+tensors as the HF checkpoint does; SGLang names its fused parameters (``qkv_proj`` = q, k, v stacked; ``gate_up_proj``
+= gate, up), so the trainer fuses before hashing (`fused_hf_tensors`, engine TP 1). Tensors on a GPU are hashed by
+SGLang with a GPU kernel instead of SHA-256 (`gpu_tensor_hash.py`, a port checked against that kernel), so the
+trainer hashes them that way for such an engine.
 
 Use (the `--check-weight-update-equal` wiring)::
 
-    sums = trainer_weight_checksums(trainer)                     # every TP rank iterates; senders get a dict
+    layout = engine_checksum_layout(engine_urls[0])             # how the engines name and hash (rank 0 asks)
+    sums = trainer_weight_checksums(trainer, layout=layout)    # every TP rank iterates; senders get a dict
     if sums is not None:
         check_engines(engine_urls, sums)                        # raises WeightMismatch naming the tensors
 
@@ -25,11 +27,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from slime.backends.megatron.gpu_tensor_hash import gpu_tensor_checksum
 from slime.backends.sglang.client import SGLangClient, SGLangError
 
 logger = logging.getLogger(__name__)
@@ -40,6 +44,46 @@ _SKIPPED = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis", 
 
 class WeightMismatch(RuntimeError):
     """An engine does not hold the weights the trainer just sent."""
+
+
+@dataclass(frozen=True)
+class ChecksumLayout:
+    """How an engine's `/weights_checker` names and hashes its tensors."""
+
+    fused: bool = False  # SGLang's parameter names (qkv_proj, gate_up_proj), not the HF checkpoint's
+    gpu_hash: bool = False  # tensors on a GPU, hashed by SGLang's GPU kernel rather than SHA-256
+
+
+HF_LAYOUT = ChecksumLayout()
+
+# SGLang's stacked_params_mapping for the dense decoders slime trains (python/sglang/srt/models/qwen2.py,
+# llama.py, qwen3.py): HF suffix -> (fused suffix, position among the stacked parts)
+_FUSED = {
+    ".q_proj.": (".qkv_proj.", 0, 3),
+    ".k_proj.": (".qkv_proj.", 1, 3),
+    ".v_proj.": (".qkv_proj.", 2, 3),
+    ".gate_proj.": (".gate_up_proj.", 0, 2),
+    ".up_proj.": (".gate_up_proj.", 1, 2),
+}
+
+
+def fused_hf_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors as a TP-1 SGLang engine holds them: q/k/v and gate/up stacked along dim 0 under the fused
+    name, everything else as it is. Parts are held only until their fused tensor is complete."""
+    pending: dict[str, list[torch.Tensor | None]] = {}
+    for name, t in named:
+        hit = next(((hf, spec) for hf, spec in _FUSED.items() if hf in name), None)
+        if hit is None:
+            yield name, t
+            continue
+        hf, (fused, index, parts) = hit
+        key = name.replace(hf, fused)
+        slots = pending.setdefault(key, [None] * parts)
+        slots[index] = t
+        if all(p is not None for p in slots):
+            yield key, torch.cat(pending.pop(key), dim=0)  # type: ignore[arg-type]
+    if pending:
+        raise ValueError(f"fused tensors with parts missing: {sorted(pending)[:5]}")
 
 
 def tensor_checksum(t: torch.Tensor) -> str:
@@ -66,20 +110,26 @@ def hf_weight_checksums(
     *,
     dtype: torch.dtype | None = None,
     skip_tensor_list: list[str] | None = None,
+    layout: ChecksumLayout = HF_LAYOUT,
 ) -> dict[str, str]:
-    """Checksums of (HF name, tensor) pairs; `dtype` casts first (hash what the engine stores, not the sender)."""
+    """Checksums of (HF name, tensor) pairs in the engine's `layout`; `dtype` casts first (hash what the engine
+    stores, not the sender)."""
     out: dict[str, str] = {}
-    for name, t in named_tensors:
+    checksum = gpu_tensor_checksum if layout.gpu_hash else tensor_checksum
+    for name, t in fused_hf_tensors(named_tensors) if layout.fused else named_tensors:
         if any(p in name for p in _SKIPPED) or any(p in name for p in (skip_tensor_list or ())):
             continue
         if name in out:
             raise ValueError(f"tensor {name!r} exported twice")
-        out[name] = tensor_checksum(t.to(dtype) if dtype is not None else t)
+        out[name] = checksum(t.to(dtype) if dtype is not None else t)
     return out
 
 
-def trainer_weight_checksums(trainer: Any, dtype: torch.dtype | None = None) -> dict[str, str] | None:
-    """Checksums of exactly the tensors `MegatronTrainer.export_hf` sends; None on ranks that send nothing.
+def trainer_weight_checksums(
+    trainer: Any, dtype: torch.dtype | None = None, layout: ChecksumLayout = HF_LAYOUT
+) -> dict[str, str] | None:
+    """Checksums of exactly the tensors `MegatronTrainer.export_hf` sends, in the engines' `layout`; None on ranks
+    that send nothing.
 
     A TP collective like the export itself: every rank of the stage must call it.
     """
@@ -88,7 +138,17 @@ def trainer_weight_checksums(trainer: Any, dtype: torch.dtype | None = None) -> 
         for _ in named:  # take part in the TP gathers only
             pass
         return None
-    return hf_weight_checksums(named, dtype=dtype)
+    return hf_weight_checksums(named, dtype=dtype, layout=layout)
+
+
+def engine_checksum_layout(url: str) -> ChecksumLayout:
+    """How the engine at `url` names and hashes its weights: fused names if its checksums show any, the GPU hash if
+    it serves on a GPU (`/server_info`'s `device`)."""
+    names = fetch_engine_checksums(url)
+    with SGLangClient(url, timeout=60.0) as client:
+        device = str(client.server_info().get("device") or "cuda")  # SGLang's default device
+    fused = any(fused in n for n in names for fused, _, _ in _FUSED.values())
+    return ChecksumLayout(fused=fused, gpu_hash=device.startswith("cuda"))
 
 
 def fetch_engine_checksums(url: str, skip_tensor_list: list[str] | None = None) -> dict[str, str]:
