@@ -76,26 +76,62 @@ pyver=3.12
 if [ "${1:-}" = "--python-version" ]; then pyver=$2; shift 2; fi
 mkdir -p "$out"
 
-# versions as pinned in pyproject.toml
-core=(megatron-core==0.16.1 torch-memory-saver==0.0.10 ray==2.60.0 jsonschema referencing rpds-py
-      jsonschema-specifications)
-router=(sglang-router==0.3.2 setproctitle orjson uvicorn fastapi starlette pydantic pydantic-core annotated-types
-        typing-inspection typing-extensions opentelemetry-api importlib-metadata redis)
-if [ "$set_name" = core ]; then pkgs=("${core[@]}"); else pkgs=("${router[@]}"); fi
+# versions as pinned in pyproject.toml; the web stack as the sglang set pins it (one pydantic on the host)
+core=(megatron-core==0.16.1 torch-memory-saver==0.0.10 jsonschema==4.26.0 referencing==0.37.0 rpds-py==2026.9.1
+      jsonschema-specifications==2025.9.1)
+router=(sglang-router==0.3.2 setproctitle==1.3.8 orjson==3.13.0 uvicorn==0.55.0 fastapi==0.165.0 starlette==1.10.0
+        pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+        typing-extensions==4.16.0 opentelemetry-api==1.45.2 importlib-metadata==10.2.0 redis==8.1.0)
+dl() {  # binary wheels for the host's interpreter and any manylinux x86_64 tag, without dependencies (the host has them)
+  python3 -m pip download -q --no-deps --only-binary=:all: --implementation cp --python-version "$pyver" \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d "$1" "${@:2}"
+}
+# Why tar.xz and not the wheels: a device call carries at most 64 MiB in all, and both sets must travel in one
+# (with the repository). Ray's wheel is 79 MB; without the jars and the libraries slime never imports (rllib, tune,
+# train, serve, data, llm) and recompressed with xz -9e it is ~25 MB. The router set's wheels (34 MB, mostly the
+# router's Rust extension) are ~22 MB as one xz archive of their unpacked files.
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+if [ "$set_name" = core ]; then
+  dl "$out" "${core[@]}"
+  if [ ! -f "$out/ray.tar.xz" ]; then
+    dl "$tmp/whl" ray==2.60.0
+    (cd "$tmp" && python3 -m zipfile -e whl/ray-*.whl site && rm -rf site/ray/jars site/ray/rllib site/ray/tune \
+      site/ray/train site/ray/serve site/ray/llm site/ray/data)
+    find "$tmp/site/ray/core" -type f -exec chmod +x {} +  # zipfile drops the exec bits of gcs_server and raylet
+    tar -cf - -C "$tmp/site" . | xz -T0 -9e > "$out/ray.tar.xz"
+  fi
+else
+  if [ ! -f "$out/router.tar.xz" ]; then
+    dl "$tmp/whl" "${router[@]}"
+    for w in "$tmp"/whl/*.whl; do python3 -m zipfile -e "$w" "$tmp/site"; done
+    tar -cf - -C "$tmp/site" . | xz -T0 -9e > "$out/router.tar.xz"
+  fi
+fi
 
-# binary wheels for the host's interpreter and any manylinux x86_64 tag, without dependencies (the host has them)
-python3 -m pip download -q --no-deps --only-binary=:all: --implementation cp --python-version "$pyver" \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  -d "$out" "${pkgs[@]}"
-
-cat > "$out/install.sh" <<'EOF'
-# Source from the repository root on the GPU host: installs this directory's wheels into .offline-site/.
+cat > "$out/install.sh" <<'INSTALL'
+# Source from the repository root on the GPU host: installs this set into .offline-site/ (idempotent: an archive
+# already unpacked there is skipped) and puts it and the repository on PYTHONPATH.
 _dir=$(dirname "${BASH_SOURCE[0]}")
 _site=$PWD/.offline-site
-mkdir -p "$_site"
-python3 -m pip install -q --no-index --no-deps --target "$_site" "$_dir"/*.whl \
-  || echo "install.sh: could not install the wheels of $_dir" >&2
+mkdir -p "$_site/.sets"
+for _w in "$_dir"/*.whl; do
+  [ -e "$_w" ] || continue
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$_site" "$_dir"/*.whl >/dev/null \
+    || echo "install.sh: could not install the wheels of $_dir" >&2
+  break
+done
+for _a in "$_dir"/*.tar.xz; do
+  [ -e "$_a" ] || continue
+  _stamp="$_site/.sets/$(basename "$_a").$(stat -c %s "$_a")"
+  if [ ! -f "$_stamp" ]; then
+    tar -xJf "$_a" -C "$_site" && touch "$_stamp" || echo "install.sh: could not unpack $_a" >&2
+  fi
+done
+[ -d "$_site/ray/core" ] && find "$_site/ray/core" -type f ! -perm -u+x -exec chmod +x {} +
 export PYTHONPATH=$_site:$PWD${PYTHONPATH:+:$PYTHONPATH}
-export RAY_USAGE_STATS_ENABLED=0
-EOF
+export RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled
+unset _dir _site _w _a _stamp
+INSTALL
 du -sh "$out"

@@ -404,9 +404,12 @@ class PhaseMemory:
     def __init__(self) -> None:
         self.cuda = torch.cuda.is_available()
         self.peaks: dict[str, float] = {}
+        self.free_at_start: float | None = None
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            # the whole device's free memory as the train call begins: colocated engines must have let theirs go
+            self.free_at_start = float(torch.cuda.mem_get_info()[0])
 
     def end(self, phase: str) -> None:
         if self.cuda:
@@ -415,4 +418,7 @@ class PhaseMemory:
             torch.cuda.reset_peak_memory_stats()
 
     def metrics(self) -> dict[str, float]:
-        return {f"memory/{k}_peak_bytes": v for k, v in self.peaks.items()}
+        out = {f"memory/{k}_peak_bytes": v for k, v in self.peaks.items()}
+        if self.free_at_start is not None:
+            out["memory/device_free_at_train_bytes"] = self.free_at_start
+        return out

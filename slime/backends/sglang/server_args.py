@@ -63,6 +63,9 @@ def _slime_settings(
         "gpu_id_step": 1,
         "tp_size": num_gpus // pp_size,
         "skip_server_warmup": True,
+        # the weights in the dtype the trainer syncs (a float32 checkpoint config would give SGLang's `auto` float16,
+        # and every bf16 update would be rounded again on load); --sglang-dtype overrides
+        "dtype": "bfloat16" if args.bf16 else None,
     }
     if worker_type == "prefill":
         s.update(disaggregation_mode="prefill", load_balance_method="follow_bootstrap_room")
