@@ -83,9 +83,9 @@ conformance() {
 export -f conformance wait_health
 for p in "$@"; do
   case $p in
-    check) phase check 300 bash .offline-sglang/install.sh --check ;;
-    conformance) phase conformance 420 bash -c conformance ;;
-    direct) phase direct 420 $PY -m bench.gpu_sglang_serving --work "$WORK/m12" --ways sglang \
+    check) phase check 180 bash .offline-sglang/install.sh --check ;;
+    conformance) phase conformance 300 bash -c conformance ;;
+    direct) phase direct 360 $PY -m bench.gpu_sglang_serving --work "$WORK/m12" --ways sglang \
               --out "$OUT/gpu_sglang_serving_direct.json" ;;
     tests) phase tests 560 $PY -m pytest -o addopts= -p no:cacheprovider -m gpu tests/gpu/test_real_sglang.py -x \
              -q -s --timeout 540 ;;
