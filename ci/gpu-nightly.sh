@@ -15,17 +15,21 @@
 #   sync        python -m bench.gpu_weight_sync  (colocated weight sync vs the bare CUDA-IPC hand-off)
 #   offload     python -m bench.gpu_offload      (sleep / wake-up vs pinned PCIe, GPU memory while asleep)
 #   train       python -m bench.gpu_train        (train-step MFU, two shapes, 1 and 4 samples of 4096 per micro-batch)
+#   sglang      bash ci/gpu_sglang.sh check conformance direct step serving: real SGLang (its offline pack,
+#               .offline-sglang, or SLIME_SGLANG_PYTHON naming an interpreter that imports SGLang); the real-SGLang
+#               GPU tests run in `tests` (tests/gpu/test_real_sglang.py skips without SGLang)
 # NIGHTLY_PARTS="tests sync" runs a subset; NIGHTLY_MODEL (default 1.8B) picks the benches' model shape.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/gpu-nightly/$(date +%Y%m%d-%H%M)}
 mkdir -p "$out"
-parts=${NIGHTLY_PARTS:-"tests sync offload train"}
+parts=${NIGHTLY_PARTS:-"tests sync offload train sglang"}
 model=${NIGHTLY_MODEL:-1.8B}
 
 if [ -n "${SLIME_GPU_SITE:-}" ]; then
   export PYTHONPATH="$SLIME_GPU_SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
+  [ -f .offline-sglang/install.sh ] && bash .offline-sglang/install.sh  # SGLang's own site, for its servers only
   for pack in .offline-core .offline-router; do
     # shellcheck disable=SC1091
     [ -f "$pack/install.sh" ] && source "$pack/install.sh"
@@ -54,7 +58,8 @@ for part in $parts; do
     offload) run_part offload python -m bench.gpu_offload --model "$model" --work "$work" --out "$out/gpu_offload.json" ;;
     train) run_part train python -m bench.gpu_train --model 1.8B 0.5B --adam fused --micro-batches 4 \
         --seq 4096 16384 --sample-len 4096 --loss logprob --out "$out/gpu_train.json" ;;
-    *) echo "gpu-nightly: unknown part '$part' (tests sync offload train)"; exit 2 ;;
+    sglang) run_part sglang env OUT="$out/sglang" bash ci/gpu_sglang.sh check conformance direct step serving ;;
+    *) echo "gpu-nightly: unknown part '$part' (tests sync offload train sglang)"; exit 2 ;;
   esac
 done
 rm -rf "$work"

@@ -22,7 +22,7 @@ WORK=${WORK:-/tmp/slime-gpu-sglang}
 mkdir -p "$OUT" "$WORK/logs"
 exec > >(tee -a "$OUT/gpu_sglang.log") 2>&1
 PY=python3
-SGL=$PWD/.sgl-site/bin/python
+SGL=${SLIME_SGLANG_PYTHON:-$PWD/.sgl-site/bin/python}  # the interpreter that runs SGLang servers
 PORT=${SGLANG_PORT:-30000}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 SLIME_SGLANG_PYTHON=$SGL PY SGL PORT WORK OUT
 rc=0
@@ -86,12 +86,13 @@ for p in "$@"; do
     check) phase check 180 bash .offline-sglang/install.sh --check ;;
     conformance) phase conformance 300 bash -c conformance ;;
     direct) phase direct 360 $PY -m bench.gpu_sglang_serving --work "$WORK/m12" --ways sglang \
-              --out "$OUT/gpu_sglang_serving_direct.json" ;;
+              --sglang-python "$SGL" --out "$OUT/gpu_sglang_serving_direct.json" ;;
     tests) phase tests 560 $PY -m pytest -o addopts= -p no:cacheprovider -m gpu tests/gpu/test_real_sglang.py -x \
              -q -s --timeout 540 ;;
-    step) phase step 480 $PY -m bench.gpu_real_sglang_step --work "$WORK/m12" --out "$OUT/gpu_real_sglang_step.json" ;;
+    step) phase step 480 $PY -m bench.gpu_real_sglang_step --work "$WORK/m12" --sglang-python "$SGL" \
+            --out "$OUT/gpu_real_sglang_step.json" ;;
     serving) phase serving 560 $PY -m bench.gpu_sglang_serving --work "$WORK/m12" --ways router rollout fake \
-               --out "$OUT/gpu_sglang_serving.json" ;;
+               --sglang-python "$SGL" --out "$OUT/gpu_sglang_serving.json" ;;
     *) say "unknown phase $p"; rc=1 ;;
   esac
 done
