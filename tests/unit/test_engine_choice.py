@@ -20,21 +20,11 @@ from slime.arguments import default_args
 from slime.backends.sglang import engine_choice
 from slime.backends.sglang.engine_choice import check_rollout_engine, choose_rollout_engine, installed_sglang
 from slime.utils.errors import SlimeArgError
+from tests.side_venv import side_venv_python
 
 pytestmark = pytest.mark.cpu
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def side_venv_python() -> str:
-    venv = Path(os.environ.get("SLIME_SGLANG_VENV", ROOT / ".venv-sglang"))
-    py = venv / "bin" / "python"
-    if not py.exists():
-        msg = f"SGLang side venv not found at {venv}; create it with `bash ci/sglang_venv.sh`"
-        if os.environ.get("CI") == "true":
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return str(py)
 
 
 @pytest.fixture()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -19,22 +18,11 @@ from slime.arguments import build_parser, default_args
 from slime.backends.sglang import flags
 from slime.backends.sglang.server_args import build_server_argv
 from slime.utils.errors import SlimeArgError
+from tests.side_venv import side_venv_python
 
 pytestmark = pytest.mark.cpu
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def side_venv_python() -> str:
-    """The SGLang side venv's interpreter; missing is a failure under CI=true (CI installs it), a skip locally."""
-    venv = Path(os.environ.get("SLIME_SGLANG_VENV", ROOT / ".venv-sglang"))
-    py = venv / "bin" / "python"
-    if not py.exists():
-        msg = f"SGLang side venv not found at {venv}; create it with `bash ci/sglang_venv.sh`"
-        if os.environ.get("CI") == "true":
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return str(py)
 
 
 USER_FLAGS = [
