@@ -27,6 +27,7 @@ from slime.backends.sglang.arguments import add_rollout_engine_arguments, valida
 from slime.backends.sglang.flags import add_router_arguments, add_sglang_arguments, check_unknown_prefixed
 from slime.ray.arguments import add_cluster_arguments, validate_cluster_args
 from slime.rollout import arguments as rollout_flags
+from slime.rollout.arguments import DEFAULT_ROLLOUT_FN
 from slime.scheduling.arguments import (
     add_async_arguments,
     add_batching_arguments,
@@ -189,11 +190,14 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     rollout_flags.validate_rollout_args(args)
     validate_batching_args(args)
     algorithm_flags.validate_algorithm_args(args)
+    if args.advantage_estimator == "ppo" and args.offload_train is None and not args.debug_rollout_only:
+        args.offload_train = True  # actor and critic time-share each GPU: one sleeps while the other trains
     validate_cluster_args(args)
     megatron_flags.validate_megatron_args(args)
     resolve_roles(args, parser)
     validate_rollout_engine_args(args)
     validate_async_args(args)
+    check_schedule_combinations(args)
     if not args.debug_train_only and args.hf_checkpoint is None:
         raise SlimeArgError("--hf-checkpoint is required (tokenizer and initial weights of the rollout engines)")
     if args.hf_checkpoint is not None and not os.path.isfile(os.path.join(args.hf_checkpoint, "config.json")):
@@ -201,6 +205,38 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     resolve_agent_args(args)
     args.sglang_model_routers = {}
     args.sglang_version = None
+
+
+def check_schedule_combinations(args: argparse.Namespace) -> None:
+    """What the async schedules (scheduling room) exclude in the cluster, debug and rollout rooms."""
+    if not (args.fully_async or args.one_step_ahead):
+        return
+    flag = "--fully-async" if args.fully_async else "--one-step-ahead"
+    if args.colocate:
+        raise SlimeArgError(
+            f"{flag} overlaps generation and training, which --colocate time-shares on the same GPUs; "
+            "drop --colocate and give the engines their own --rollout-num-gpus"
+        )
+    if args.debug_rollout_only or args.debug_train_only:
+        raise SlimeArgError(f"{flag} needs both engines and trainer; the debug modes run one of them")
+    if not args.fully_async:
+        return
+    if args.rollout_function_path != DEFAULT_ROLLOUT_FN:
+        raise SlimeArgError(
+            "--fully-async generates with its own producer and cannot call a custom --rollout-function-path; "
+            "customise per sample with --custom-generate-function-path"
+        )
+    if args.partial_rollout:
+        raise SlimeArgError(
+            "--fully-async always resumes interrupted groups (it is the partial-rollout path); drop --partial-rollout"
+        )
+    if args.over_sampling_batch_size not in (None, args.rollout_batch_size):
+        raise SlimeArgError("--over-sampling-batch-size has no meaning with --fully-async (nothing is aborted)")
+    if args.rollout_all_samples_process_path:
+        raise SlimeArgError(
+            "--rollout-all-samples-process-path sees one rollout's generated groups; --fully-async has no "
+            "rollouts (use --rollout-sample-filter-path, applied to each consumed batch)"
+        )
 
 
 def default_args(**overrides: Any) -> argparse.Namespace:

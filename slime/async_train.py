@@ -72,7 +72,7 @@ class RayLoopBackend:
         self._step["time/train_step"] = time.perf_counter() - t0
 
     async def save(self, rollout_id: int) -> None:
-        from slime.backends.megatron import checkpoint_dirs as checkpoint
+        from slime.utils import checkpoint_dirs as checkpoint
 
         t0 = time.perf_counter()
         if self.args.save:
@@ -125,7 +125,7 @@ def train_async(args: Namespace, startup: dict[str, float], t_start: float) -> d
     summary as `train` does."""
     import ray
 
-    from slime.backends.megatron import checkpoint_dirs as checkpoint
+    from slime.utils import checkpoint_dirs as checkpoint
     from slime.ray.placement import create_placement_group
     from slime.ray.rollout_manager import RolloutManager
     from slime.ray.run_start import report_startup, servers_and_trainer

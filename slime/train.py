@@ -72,7 +72,7 @@ def train(args: Namespace) -> dict:
 
     import ray
 
-    from slime.backends.megatron import checkpoint_dirs as checkpoint
+    from slime.utils import checkpoint_dirs as checkpoint
     from slime.backends.megatron.roles import role_args
     from slime.ray.placement import create_placement_group
     from slime.ray.rollout_manager import RolloutManager

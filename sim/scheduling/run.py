@@ -33,6 +33,7 @@ from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.fully_async import SGLangGroupGenerator, async_config, buffer_capacity
 from slime.rollout.generate import GenerateState
 from slime.rollout.sglang_rollout import generate_rollout_async
+from slime.arguments import check_schedule_combinations
 from slime.scheduling.arguments import validate_async_args
 from slime.scheduling.driver import LoopPlan, run_loop
 from slime.scheduling.fully_async import AsyncRollout, filter_stale_groups
@@ -102,6 +103,7 @@ def sim_args(w: Workload, c: SimConfig) -> Any:
         args.async_data_buffer_capacity_factor = c.buffer_capacity_factor
         args.custom_async_data_buffer_path = c.custom_buffer_path
     validate_async_args(args)
+    check_schedule_combinations(args)
     return args
 
 

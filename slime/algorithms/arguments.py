@@ -126,8 +126,6 @@ def validate_algorithm_args(args: argparse.Namespace) -> None:
             raise SlimeArgError(f"--gamma and --lambd must lie in [0, 1], got {args.gamma} and {args.lambd}")
         if args.value_clip <= 0:
             raise SlimeArgError(f"--value-clip must be > 0, got {args.value_clip}")
-        if args.offload_train is None and not args.debug_rollout_only:
-            args.offload_train = True  # actor and critic time-share each GPU: one sleeps while the other trains
     if args.num_critic_only_steps < 0:
         raise SlimeArgError("--num-critic-only-steps must be >= 0")
     if args.num_critic_only_steps and args.advantage_estimator != "ppo":

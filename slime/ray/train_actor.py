@@ -461,7 +461,7 @@ class TrainModels:
 
     def _critic_resume(self, resume: tuple[int, str] | None) -> str | None:
         """The actor's rollout when it resumes (the critic must have it), else the critic dir's newest, if any."""
-        from slime.backends.megatron import checkpoint_dirs as checkpoint
+        from slime.utils import checkpoint_dirs as checkpoint
 
         assert self.critic_args is not None
         root = self.critic_args.load
@@ -494,7 +494,7 @@ class TrainModels:
     def save(self, path: str, rollout_id: int) -> None:
         """The critic's checkpoint (complete, in its own dir) first, then the actor's shards into `path`."""
         if self.critic is not None:
-            from slime.backends.megatron import checkpoint_dirs as checkpoint
+            from slime.utils import checkpoint_dirs as checkpoint
 
             assert self.critic_args is not None
             root = self.critic_args.save

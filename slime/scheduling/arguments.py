@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from slime.rollout.arguments import DEFAULT_ROLLOUT_FN
+from slime.scheduling.driver import mode_from_args
 from slime.utils.errors import SlimeArgError
 
 
@@ -136,46 +136,16 @@ def inherent_staleness(mode: str, update_weights_interval: int) -> int:
 
 
 def validate_async_args(args: argparse.Namespace) -> None:
-    """Combinations that cannot work are refused here, before Ray starts."""
+    """This room's own flags; what the schedules exclude in other rooms is refused by the composition root
+    (`slime/arguments.py:check_schedule_combinations`)."""
     if args.fully_async and args.one_step_ahead:
         raise SlimeArgError("--fully-async and --one-step-ahead are two different schedules; pick one")
-    mode = "fully_async" if args.fully_async else "one_step" if args.one_step_ahead else "sync"
-    flag = "--fully-async" if args.fully_async else "--one-step-ahead"
+    mode = mode_from_args(args)
     if not args.fully_async:
         for dest, default in FULLY_ASYNC_ONLY.items():
             if getattr(args, dest) != default:
                 raise SlimeArgError(f"--{dest.replace('_', '-')} only applies with --fully-async")
-    if mode != "sync":
-        if args.colocate:
-            raise SlimeArgError(
-                f"{flag} overlaps generation and training, which --colocate time-shares on the same GPUs; "
-                "drop --colocate and give the engines their own --rollout-num-gpus"
-            )
-        if args.debug_rollout_only or args.debug_train_only:
-            raise SlimeArgError(f"{flag} needs both engines and trainer; the debug modes run one of them")
-        if args.advantage_estimator == "ppo" or args.megatron_config:
-            raise SlimeArgError(
-                f"{flag} trains the actor alone; PPO's critic and --megatron-config roles run in the synchronous "
-                "loop only (drop the async flag)"
-            )
     if args.fully_async:
-        if args.rollout_function_path != DEFAULT_ROLLOUT_FN:
-            raise SlimeArgError(
-                "--fully-async generates with its own producer and cannot call a custom --rollout-function-path; "
-                "customise per sample with --custom-generate-function-path"
-            )
-        if args.partial_rollout:
-            raise SlimeArgError(
-                "--fully-async always resumes interrupted groups (it is the partial-rollout path); "
-                "drop --partial-rollout"
-            )
-        if args.over_sampling_batch_size not in (None, args.rollout_batch_size):
-            raise SlimeArgError("--over-sampling-batch-size has no meaning with --fully-async (nothing is aborted)")
-        if args.rollout_all_samples_process_path:
-            raise SlimeArgError(
-                "--rollout-all-samples-process-path sees one rollout's generated groups; --fully-async has no "
-                "rollouts (use --rollout-sample-filter-path, applied to each consumed batch)"
-            )
         n = args.n_samples_per_prompt
         if args.async_max_concurrent_samples is not None and args.async_max_concurrent_samples < n:
             raise SlimeArgError(

@@ -16,7 +16,7 @@ import ray
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import slime.backends.megatron.checkpoint_dirs as checkpoint
+import slime.utils.checkpoint_dirs as checkpoint
 import slime.ray.placement as placement
 import slime.ray.train_actor as train_actor
 import slime.train as train_mod

@@ -40,8 +40,6 @@ def base(tmp_path: Path) -> list[str]:
         (["--fully-async", "--colocate"], "drop --colocate"),
         (["--one-step-ahead", "--colocate"], "drop --colocate"),
         (["--fully-async", "--debug-rollout-only"], "debug modes"),
-        (["--fully-async", "--advantage-estimator", "ppo"], "synchronous loop only"),
-        (["--one-step-ahead", "--advantage-estimator", "ppo"], "synchronous loop only"),
         (["--fully-async", "--rollout-function-path", "x.y"], "custom --rollout-function-path"),
         (["--fully-async", "--partial-rollout"], "drop --partial-rollout"),
         (["--fully-async", "--over-sampling-batch-size", "8"], "over-sampling"),
@@ -66,6 +64,15 @@ def test_valid_async_flags_parse(base):
                        "drop", "--async-max-concurrent-samples", "6", "--mask-offpolicy-in-partial-rollout"])  # fmt: skip
     assert args.fully_async and args.max_weight_staleness == 2 and args.async_unused_samples_handler == "drop"
     assert parse_args([*base, "--one-step-ahead", "--max-weight-staleness", "1"]).one_step_ahead
+
+
+@pytest.mark.parametrize("schedule", ["--one-step-ahead", "--fully-async"])
+def test_ppo_and_role_overrides_parse_under_both_async_schedules(base, tmp_path, schedule):
+    roles = tmp_path / "roles.yaml"
+    roles.write_text("megatron:\n  - {role: critic, overrides: {lr: 1.0e-5}}\n")
+    args = parse_args([*base, schedule, "--advantage-estimator", "ppo", "--megatron-config", str(roles)])
+    assert args.role_overrides["critic"] == {"lr": 1e-5}
+    assert args.offload_train  # actor and critic still time-share their GPUs
 
 
 def _answered(s: Sample, version: int, n: int) -> Sample:

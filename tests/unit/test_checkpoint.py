@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from slime.backends.megatron import checkpoint_dirs as ck
+from slime.utils import checkpoint_dirs as ck
 
 pytestmark = pytest.mark.cpu
 

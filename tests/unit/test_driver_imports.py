@@ -15,7 +15,7 @@ pytestmark = pytest.mark.cpu
 _PROBE = r"""
 import json, sys, tempfile, types
 import slime.cli, slime.train, slime.async_train
-from slime.backends.megatron import checkpoint_dirs
+from slime.utils import checkpoint_dirs
 from slime.ray.rollout_manager import RolloutManager
 from slime.ray.train_actor import TrainModels
 from slime.ray.run_start import servers_and_trainer

@@ -1,22 +1,13 @@
 """Checkpoints for exact resume: `--save/--load/--save-interval/--no-save-optim` (docs/checkpointing.md).
 
-Layout under `--save` (Megatron's names, so tooling recognises it)::
-
-    latest_checkpointed_iteration.txt   the rollout id of the newest complete checkpoint; written LAST
-    iter_0000007/                       one complete checkpoint (rollout 7 done)
-        metadata.json common.pt *.distcp   megatron.core.dist_checkpointing (torch_dist): model, optimizer,
-                                            RNG states; common.pt holds the LR scheduler and the `slime` dict
-        rollout/                        the RolloutManager's part: data-source state (epoch, offset, counters,
-                                        buffer) and the carried-over groups (`carry_7.json`)
-        slime_checkpoint.json           written by the driver when every part is in; marks the dir complete
-    iter_0000008.tmp/                   a save in progress (or killed): never read, removed by the next save
+What a train rank writes into the directory the driver began (`slime/utils/checkpoint_dirs.py`: the layout and
+its write order): `metadata.json common.pt *.distcp`, megatron.core.dist_checkpointing (torch_dist) — model,
+optimizer, RNG states; common.pt holds the LR scheduler and the `slime` dict.
 
 Why sharded (`dist_checkpointing`): every rank writes only its shard, and a checkpoint saved at one DP size
 loads at another — the model is replicated over DP, and the distributed optimizer's state is saved in the
 `dp_reshardable` layout (or, with `--dist-ckpt-optim-fully-reshardable`, per parameter, which also allows a TP/PP
-change). Why the write-then-rename dance: a run killed during a save must resume from the previous
-checkpoint, so nothing under `iter_*` is visible until it is complete, and the tracker moves only after the
-rename. A resume starts at `rollout_id + 1` with the same data, RNG and optimizer state, so with per-sample
+change). A resume starts at `rollout_id + 1` with the same data, RNG and optimizer state, so with per-sample
 sampling seeds it regenerates the rollout the lost run would have produced and takes the same step.
 
 Three megatron-core 0.16.1 quirks are handled here. Without TransformerEngine/Apex (torch's own Adam) the
@@ -36,8 +27,7 @@ from typing import Any
 
 import torch
 
-# the directory protocol (layout above) lives apart: the driver uses it without importing torch
-from slime.backends.megatron.checkpoint_dirs import FORMAT_VERSION
+from slime.utils.checkpoint_dirs import FORMAT_VERSION
 
 logger = logging.getLogger(__name__)
 

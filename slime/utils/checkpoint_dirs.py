@@ -1,6 +1,20 @@
-"""The checkpoint directory protocol of `checkpoint.py` (layout and write order documented there): what the
-driver needs to find, begin and finish a checkpoint. Apart because the driver must not import torch for it
-(~2.5 CPU-seconds and ~1 s of teardown per run)."""
+"""The checkpoint directory layout every run writes, whatever trains (docs/checkpointing.md).
+
+Layout under `--save` (Megatron's names, so tooling recognises it)::
+
+    latest_checkpointed_iteration.txt   the rollout id of the newest complete checkpoint; written LAST
+    iter_0000007/                       one complete checkpoint (rollout 7 done)
+        ...                             the train backend's shards (slime/backends/megatron/checkpoint.py)
+        rollout/                        the RolloutManager's part: data-source state (epoch, offset, counters,
+                                        buffer) and the carried-over groups (`carry_7.json`)
+        slime_checkpoint.json           written by the driver when every part is in; marks the dir complete
+    iter_0000008.tmp/                   a save in progress (or killed): never read, removed by the next save
+
+Why the write-then-rename dance: a run killed during a save must resume from the previous checkpoint, so
+nothing under `iter_*` is visible until it is complete, and the tracker moves only after the rename. Here, not in
+a backend: the driver finds, begins and finishes checkpoints without importing torch (~2.5 CPU-seconds and ~1 s
+of teardown per run), and a backend only fills the directory it is given.
+"""
 
 from __future__ import annotations
 
