@@ -217,6 +217,10 @@ def check_schedule_combinations(args: argparse.Namespace) -> None:
             f"{flag} overlaps generation and training, which --colocate time-shares on the same GPUs; "
             "drop --colocate and give the engines their own --rollout-num-gpus"
         )
+    if args.offload_rollout:
+        raise SlimeArgError(
+            f"{flag} generates while the trainer trains; --offload-rollout would release the engines' memory then"
+        )
     if args.debug_rollout_only or args.debug_train_only:
         raise SlimeArgError(f"{flag} needs both engines and trainer; the debug modes run one of them")
     if not args.fully_async:

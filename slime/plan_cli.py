@@ -137,7 +137,7 @@ def memory_plans(args: argparse.Namespace) -> dict[str, MemoryPlan] | None:
         return None
     from slime.backends.megatron.hf_config import read_hf_config
     from slime.backends.megatron.roles import role_args
-    from slime.ray.train_actor import train_roles
+    from slime.ray.train_group import train_roles
 
     actor = read_hf_config(role_args(args, "actor").hf_checkpoint)
     critic = read_hf_config(role_args(args, "critic").hf_checkpoint) if "critic" in train_roles(args) else None

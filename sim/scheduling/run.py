@@ -28,16 +28,15 @@ from typing import Any
 from sim.scheduling.clock import run_virtual
 from sim.scheduling.engines import CURRENT, EnginePool
 from sim.workloads.long_tail import DEFAULT, Workload
-from slime.arguments import default_args
+from slime.arguments import check_schedule_combinations, default_args
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.fully_async import SGLangGroupGenerator, async_config, buffer_capacity
 from slime.rollout.generate import GenerateState
 from slime.rollout.sglang_rollout import generate_rollout_async
-from slime.arguments import check_schedule_combinations
 from slime.scheduling.arguments import validate_async_args
-from slime.scheduling.driver import LoopPlan, run_loop
 from slime.scheduling.fully_async import AsyncRollout, filter_stale_groups
 from slime.scheduling.group_buffer import GroupBuffer, group_from_json, group_to_json
+from slime.scheduling.loop import LoopBackend, LoopPlan, run_loop
 from slime.scheduling.staleness import flatten, group_staleness, parse_version
 from slime.utils.misc import load_function
 
@@ -177,7 +176,7 @@ class SimResult:
         }
 
 
-class SimBackend:
+class SimBackend(LoopBackend):
     """The loop's backend: slime's rollout code on simulated engines; the trainer and weight sync as sleeps."""
 
     def __init__(self, args: Any, result: SimResult, pool: EnginePool) -> None:
@@ -195,9 +194,6 @@ class SimBackend:
 
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
-
-    async def evaluate(self, rollout_id: int) -> None:
-        """No eval in the simulator (its cost is the same in every mode)."""
 
     async def rollout(self, rollout_id: int) -> None:
         async with self.manager:
@@ -255,7 +251,7 @@ class SimBackend:
         await r.stop()  # afterwards every unconsumed group is in the buffer or the data source
         self.result.outstanding_ids += [flatten(g)[0].group_index for g in r.buffer]
 
-    async def train(self, rollout_id: int, batch: list[Any]) -> None:
+    async def train(self, rollout_id: int, batch: list[Any], keep_weights: bool) -> None:
         tokens = 0
         for group in batch:
             samples = flatten(group)
@@ -301,7 +297,7 @@ class SimBackend:
         if self.async_rollout is not None:
             self.async_rollout.resume(version)
 
-    async def step_done(self, rollout_id: int) -> None:
+    async def step_done(self, rollout_id: int, times: dict[str, float]) -> None:
         self.result.steps += 1
         if self.config.max_steps is None and self._now() >= self.config.horizon_s:
             raise _Horizon()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from slime.backends.train_backend import TRAIN_BACKENDS
 from slime.utils.errors import SlimeArgError
 from slime.utils.misc import json_arg
 
@@ -31,7 +32,11 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
         default={},
         help='JSON object of environment variables for the train actors, e.g. \'{"NCCL_DEBUG": "INFO"}\'',
     )
-    g.add_argument("--train-backend", choices=["megatron"], default="megatron", help="only megatron exists")
+    g.add_argument(
+        "--train-backend",
+        default="megatron",
+        help="megatron, or the import path of a TrainBackend class (slime/backends/train_backend.py)",
+    )
     g.add_argument(
         "--ray-address", default=None, help="join an existing Ray cluster (e.g. auto) instead of starting one"
     )
@@ -45,6 +50,11 @@ def validate_cluster_args(args: argparse.Namespace) -> None:
     for name in ("actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus_per_engine", "num_gpus_per_node"):
         if getattr(args, name) < 1:
             raise SlimeArgError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.train_backend not in TRAIN_BACKENDS and "." not in args.train_backend:
+        raise SlimeArgError(
+            f"--train-backend {args.train_backend}: expected {' or '.join(TRAIN_BACKENDS)} or an import path "
+            "package.module.Class"
+        )
     actor_gpus = args.actor_num_nodes * args.actor_num_gpus_per_node
     if args.offload:
         args.offload_train = args.offload_rollout = True
@@ -62,7 +72,7 @@ def validate_cluster_args(args: argparse.Namespace) -> None:
         if args.rollout_num_gpus is None:
             args.rollout_num_gpus = actor_gpus
     args.offload_train = bool(args.offload_train)
-    args.offload_rollout = bool(args.offload_rollout)
+    args.offload_rollout = bool(args.offload_rollout) and not args.debug_train_only  # no engines to offload
     if args.actor_num_nodes > 1 and args.actor_num_gpus_per_node > args.num_gpus_per_node:
         raise SlimeArgError(
             f"--actor-num-gpus-per-node {args.actor_num_gpus_per_node} exceeds --num-gpus-per-node "

@@ -197,11 +197,6 @@ class RolloutManager:
         samples, extra, rollout_time = self._pending.pop(rollout_id)
         return self._to_train_data(rollout_id, samples, extra, rollout_time)
 
-    def generate(self, rollout_id: int) -> tuple[list[Any] | None, dict[str, float] | None]:
-        """`rollout` then `train_data`: the synchronous loop's one call per rollout."""
-        self.rollout(rollout_id)
-        return self.train_data(rollout_id)
-
     # ---- fully async (slime/rollout/fully_async.py) ------------------------------------------------------------
     def start_producer(self, rollout_id: int) -> None:
         """Start generating for a trainer at weight version `rollout_id` (the engines just received it)."""

@@ -1,4 +1,4 @@
-"""How every `slime train` run ends, synchronous or async: one place, so a change to shut-down applies to both."""
+"""How every `slime train` run ends, however it ends: engines and routers disposed, metrics flushed, Ray stopped."""
 
 from __future__ import annotations
 

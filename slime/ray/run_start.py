@@ -1,4 +1,4 @@
-"""How every `slime train` run starts, synchronous or async: servers and trainer up, and where the time went.
+"""How every `slime train` run starts: servers and trainer up, and where the time went.
 
 Start-up is a fixed cost every run pays before its first step (on a 2-core laptop it dwarfs a toy step), so
 what does not depend on something else runs side by side: the train actors build their models while the
@@ -24,7 +24,7 @@ T = TypeVar("T")
 
 
 def servers_and_trainer(
-    args: Namespace, manager: Any, build_trainer: Callable[[], T], *, offload_rollout: bool
+    args: Namespace, manager: Any, build_trainer: Callable[[], T]
 ) -> tuple[dict[str, Any], T, dict[str, float]]:
     """Wait for the rollout manager's servers and build the trainer; returns (server info, trainer, timings).
 
@@ -32,11 +32,11 @@ def servers_and_trainer(
     the same moment); colocated ones go servers → engines offloaded → trainer, as their GPU memory requires."""
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
-    if args.colocate or offload_rollout:
+    if args.colocate or args.offload_rollout:
         info = ray.get(manager.server_info.remote())
         timings["startup/rollout_servers"] = time.perf_counter() - t0
         _write_server_info(args, info)
-        if offload_rollout:
+        if args.offload_rollout:
             ray.get(manager.offload.remote())  # the trainer builds its model on the engines' GPUs next
         t1 = time.perf_counter()
         trainer = build_trainer()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from slime.scheduling.driver import mode_from_args
+from slime.scheduling.loop import mode_from_args
 from slime.utils.errors import SlimeArgError
 
 

@@ -158,20 +158,6 @@ PHASES = (
     ("time/weight_sync", "sync"),
     ("time/engine_resume", "resume"),
 )
-# the synchronous loop's top-level phases, which do not overlap: their sum is the step's wall time up to
-# `time/unaccounted` (driver bookkeeping and logging). Nested inside `time/train_total`: each role's
-# `time/{role}_wake_up` / `_sleep` (onload/offload), `time/log_probs`, `time/train` (and the critic's);
-# inside `time/weight_sync`: the sender's `weight_sync/send_s` (HF conversion + transfer).
-STEP_PHASES = (
-    "time/eval",
-    "time/rollout",
-    "time/engine_release",
-    "time/train_total",
-    "time/save",
-    "time/save_hf",
-    "time/weight_sync",
-    "time/engine_resume",
-)
 
 
 def step_line(metrics: dict[str, Any], eval_metrics: dict[str, Any] | None = None) -> str:

@@ -20,7 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from slime.arguments import parse_args
+from slime.scheduling.loop import LoopPlan
 from tests.integration.test_resume import assets, run_slime  # noqa: F401,F811 - `assets` is a module fixture
+from tests.loop_order import expected_events
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 
@@ -74,10 +77,12 @@ def test_fully_async_killed_with_groups_in_flight_resumes_losslessly(assets, tmp
     assert state["in_flight"], "the checkpoint should hold groups in flight (the engines are slow on purpose)"
     assert len(state["consumed_ids"]) == 3 * BATCH
 
-    run_slime([*moved(flags, b, c), "--load", str(ckpt)], c)
+    resumed = [*moved(flags, b, c), "--load", str(ckpt)]
+    run_slime(resumed, c)
     summary = json.loads((c / "metrics" / "summary.json").read_text())
     assert summary["resumed_from"] == 2
     assert summary["events"][:3] == [["sync", 3], ["start_producer", 3], ["consume", 3]]
+    assert [tuple(e) for e in summary["events"]] == expected_events(LoopPlan.from_args(parse_args(resumed), 3))
     final = json.loads(
         (ckpt / f"iter_{rollouts - 1:07d}" / "rollout" / f"fully_async_{rollouts - 1}.json").read_text()
     )
@@ -134,10 +139,12 @@ def test_one_step_ahead_killed_after_a_checkpoint_trains_the_rollout_it_had_gene
     assert list(pending) == [2]  # rollout 2 was generated while rollout 1 trained
     ahead = sorted({s["group_index"] for s in pending[2][0]})
 
-    run_slime([*moved(flags, b, c), "--load", str(ckpt)], c)
+    resumed = [*moved(flags, b, c), "--load", str(ckpt)]
+    run_slime(resumed, c)
     summary = json.loads((c / "metrics" / "summary.json").read_text())
     assert summary["resumed_from"] == 1
     assert summary["events"][:3] == [["sync", 2], ["rollout", 2], ["train_data", 2]]
+    assert [tuple(e) for e in summary["events"]] == expected_events(LoopPlan.from_args(parse_args(resumed), 2))
     assert sorted({s["group_index"] for s in _dump(c, 2)}) == ahead  # trained as generated, not regenerated
     prompts = [s["group_index"] for rid in (0, 1) for s in _dump(b, rid) if s["index"] % N == 0]
     prompts += [s["group_index"] for rid in range(2, rollouts) for s in _dump(c, rid) if s["index"] % N == 0]

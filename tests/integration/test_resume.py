@@ -28,6 +28,9 @@ import torch
 
 from examples.toy.prepare import prepare
 from sim.slime_run import slime_train
+from slime.arguments import parse_args
+from slime.scheduling.loop import LoopPlan
+from tests.loop_order import expected_events
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 
@@ -149,6 +152,10 @@ def test_kill_during_save_resumes_exactly_and_offload_order(assets, tmp_path):
     assert not torch.equal(_weights(a, 1)["model.norm.weight"], _weights(a, 2)["model.norm.weight"])  # it trains
 
     check_offload_order(_requests(a), ref["offload_events"])
+    # the driver ran the one loop's colocated order (engines released and resumed around every step), resumed too
+    for run, start, summ in ((a, 0, ref), (c, 1, summary)):
+        flags = job_flags(assets, run, b / "ckpt" if run == c else a / "ckpt")
+        assert [tuple(e) for e in summ["events"]] == expected_events(LoopPlan.from_args(parse_args(flags), start))
 
 
 def check_offload_order(requests: list[dict], trainer_events: list) -> None:

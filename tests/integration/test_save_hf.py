@@ -40,7 +40,7 @@ def _worker(rank: int, ckpt: str, out: str, port: int) -> None:
     ])  # fmt: skip
     actor = TrainRayActor(args, rank, 2)
     actor.init("127.0.0.1", port)
-    trainer = actor.trainer
+    trainer = actor.backend.trainer
     rng = random.Random(0)
     samples = [
         Sample(index=i, group_index=i // 2, group_id=i, tokens=[rng.randrange(3, 400) for _ in range(9)],
@@ -52,7 +52,7 @@ def _worker(rank: int, ckpt: str, out: str, port: int) -> None:
     with torch.no_grad():
         logits, _ = trainer._forward_logits({"tokens": SEQS})
         full = torch.cat(trainer.ps.all_gather(logits.contiguous(), "tp"), dim=-1)[:, : trainer.spec.vocab_size]
-    actor.save_hf(str(Path(out) / "hf_0"))
+    actor.call("save_hf", str(Path(out) / "hf_0"))
     if rank == 0:
         torch.save(full, Path(out) / "trainer_logits.pt")
 

@@ -22,7 +22,7 @@ import pytest
 from examples.toy.prepare import prepare
 from sim.process_tree import ProcessTreeWatcher
 from sim.slime_run import slime_train
-from slime.utils.tracking import STEP_PHASES
+from slime.scheduling.loop import STEP_PHASES
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 

@@ -117,13 +117,14 @@ def _worker(rank: int, ckpt: str, engines: list, port: int, out: str) -> None:
             box = [_rollout(url, rollout_id, rollout_id * n)]
         dist.broadcast_object_list(box, src=0)
         data, _ = build_rank_data(args, rollout_id, box[0], carry, {"dp_size": 1, "cp_size": 1})
-        metrics = actor.trainer.train(rollout_id, data[0])
+        metrics = actor.backend.trainer.train(rollout_id, data[0])
         res["train"].append(metrics)
-        res["syncs"].append(actor.update_weights(targets, rollout_id + 1))
+        res["syncs"].append(actor.call("update_weights", targets, rollout_id + 1))
     if rank == 0:
         Path(out).write_text(json.dumps(res))
     dist.barrier()
-    actor.dist_sync.close() if actor.dist_sync is not None else None
+    sender = actor.backend.transport.sender
+    sender.close() if sender is not None else None
 
 
 @pytest.mark.slow

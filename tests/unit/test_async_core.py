@@ -40,6 +40,7 @@ def base(tmp_path: Path) -> list[str]:
         (["--fully-async", "--colocate"], "drop --colocate"),
         (["--one-step-ahead", "--colocate"], "drop --colocate"),
         (["--fully-async", "--debug-rollout-only"], "debug modes"),
+        (["--one-step-ahead", "--offload-rollout"], "release the engines' memory"),
         (["--fully-async", "--rollout-function-path", "x.y"], "custom --rollout-function-path"),
         (["--fully-async", "--partial-rollout"], "drop --partial-rollout"),
         (["--fully-async", "--over-sampling-batch-size", "8"], "over-sampling"),

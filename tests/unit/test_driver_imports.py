@@ -14,12 +14,12 @@ pytestmark = pytest.mark.cpu
 
 _PROBE = r"""
 import json, sys, tempfile, types
-import slime.cli, slime.train, slime.async_train
+import slime.cli, slime.train, slime.ray.run
 from slime.utils import checkpoint_dirs
 from slime.ray.rollout_manager import RolloutManager
-from slime.ray.train_actor import TrainModels
-from slime.ray.run_start import servers_and_trainer
-from slime.ray.run_end import shut_down
+from slime.ray.train_group import TrainGroup
+from slime.ray.loop_backend import RayLoopBackend
+from slime.scheduling.loop import run_loop
 from slime.utils.tracking import Tracker
 d = tempfile.mkdtemp()
 t = Tracker(types.SimpleNamespace(metrics_dir=d, use_tensorboard=True, use_wandb=False))

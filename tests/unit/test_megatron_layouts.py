@@ -110,7 +110,7 @@ def _run(rank: int, name: str, port: int, ckpt: str, out_dir: str) -> None:
     ps = trainer.ps
     if name.endswith("_shifted") and ps.rank("cp") == 1:
         _shift_boundaries(trainer)
-    parallel = {  # what the train actor reports to the scheduler (slime/ray/train_actor.py: parallel_config)
+    parallel = {  # what the train actor reports to the scheduler (TrainBackend.parallel_config)
         "dp_size": ps.size("dp"), "cp_size": ps.size("cp"), "pp_size": ps.size("pp"),
         "vpp_size": args.virtual_pipeline_model_parallel_size or 1,
         "microbatch_group_size_per_vp_stage": args.microbatch_group_size_per_vp_stage,

@@ -12,7 +12,7 @@ import pytest
 from slime.arguments import parse_args
 from slime.ray.placement import placement_group_size
 from slime.ray.rollout_servers import ENGINE_GPU
-from slime.ray.train_actor import train_gpu_requests, train_roles
+from slime.ray.train_group import train_gpu_requests, train_roles
 
 pytestmark = pytest.mark.cpu
 

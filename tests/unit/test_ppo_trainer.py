@@ -72,7 +72,7 @@ def _worker(rank: int, port: int, ckpt: str, config: str, out: str) -> None:
     data, _ = build_rank_data(args, 0, samples, CarryBuffer(), {"dp_size": 1, "cp_size": 1})
     critic.offloader.sleep()
     critic.offloader.wake_up()
-    c_metrics, values = critic.train(0, data[0])
+    c_metrics, values = critic.train_rollout(0, data[0])
     res["critic_metrics"] = c_metrics
     res["value_lengths"] = [len(v) for v in values]
     res["response_lengths"] = data[0]["response_lengths"]

@@ -93,7 +93,9 @@ class CriticTrainer(MegatronTrainer):
                 mb["values"] = [v.float() for v in self._sample_values(out, mb, packed)]
         self.model.train()
 
-    def train(self, rollout_id: int, data: dict[str, Any], values: list[list[float]] | None = None):  # type: ignore[override]
+    def train_rollout(
+        self, rollout_id: int, data: dict[str, Any], values: list[list[float]] | None = None
+    ) -> tuple[dict[str, float], list[list[float]]]:
         """Old values, returns, value-loss steps. Returns (metrics, old values per sample in train-data order)."""
         run_custom_megatron_init(self.args)
         memory = PhaseMemory()

@@ -1,6 +1,6 @@
 """Train-side offload for `--colocate` (and PPO's actor/critic time-sharing): a trainer sleeps while others use its GPU.
 
-Protocol (one colocated rollout, driven by `slime/train.py`; engine calls by the RolloutManager):
+Protocol (one colocated rollout, in the order of `slime/scheduling/loop.py`; engine calls by the RolloutManager):
 
     engines: release_memory_occupation                       after generate (KV cache, weights, CUDA graphs)
     critic:  wake_up → values → train → sleep                PPO only

@@ -349,6 +349,12 @@ class MegatronTrainer(ModelChunks):
         return saved
 
     # ---- the RL step ----------------------------------------------------------------------------------------
+    def train_rollout(
+        self, rollout_id: int, data: dict[str, Any], values: list[list[float]] | None = None
+    ) -> tuple[dict[str, float], list[list[float]] | None]:
+        """One rollout as the backend runs every role: (metrics, what the role hands on — the critic's values)."""
+        return self.train(rollout_id, data, values), None
+
     def train(
         self, rollout_id: int, data: dict[str, Any], values: list[list[float]] | None = None
     ) -> dict[str, float]:

@@ -192,3 +192,19 @@ def check_engines(engine_urls: list[str], trainer_checksums: dict[str, str]) -> 
         "weight_sync/checked_tensors": float(len(trainer_checksums)),
         "weight_sync/checked_engines": float(len(engine_urls)),
     }
+
+
+def check_trainer_on_engines(trainer: Any, engine_urls: list[str]) -> dict[str, float]:
+    """`--check-weight-update-equal`: every engine's per-tensor checksums equal the trainer's (all stages); a
+    collective of every train rank, which rank 0 checks."""
+    import torch.distributed as dist
+
+    layout = [engine_checksum_layout(engine_urls[0]) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(layout, src=0)  # every sender hashes as the engines do
+    sums = trainer_weight_checksums(trainer, layout=layout[0])
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sums)
+    if dist.get_rank() != 0:
+        return {}
+    merged = {k: v for part in gathered if part for k, v in part.items()}
+    return check_engines(engine_urls, merged)

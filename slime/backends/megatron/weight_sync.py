@@ -324,3 +324,20 @@ class TensorWeightSync:
         for group in self.groups.values():
             if group is not None:
                 dist.barrier(group=group)  # the engine has copied every rank's bucket: they may go
+
+
+class TensorTransport:
+    """`--update-weight-mode tensor` for one train rank: a `TensorWeightSync` to the current engines, rebuilt (new
+    groups) when the engine set changes (an engine restarted)."""
+
+    def __init__(self, bucket_bytes: int) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.current: TensorWeightSync | None = None
+
+    def sync(self, trainer: Any, engines: list[dict[str, Any]], weight_version: int) -> dict[str, float]:
+        targets = [ColocatedEngine(e["url"], e["base_gpu"], e["num_gpus"]) for e in engines]
+        if self.current is None or self.current.engines != targets:
+            if self.current is not None:
+                self.current.close()
+            self.current = TensorWeightSync(targets, self.bucket_bytes)
+        return self.current.sync(trainer.weights_for_sync(), weight_version)

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.megatron.weight_buckets import buckets_by_dtype, flatten
-from slime.backends.sglang.client import SGLangClient
+from slime.backends.sglang.client import SGLangClient, begin_weight_sync, end_weight_sync
 from slime.utils.distributed import listen_socket, master_store
 
 logger = logging.getLogger(__name__)
@@ -238,3 +238,44 @@ class DistributedWeightSync:
         self.pool.shutdown(wait=False)
         for c in self.clients.values():
             c.close()
+
+
+class DistributedTransport:
+    """`--update-weight-mode distributed` for one train rank: every rank exports (a TP collective) and takes part.
+
+    Rank 0 pauses the engines and opens their weight-update session once; each stage's sender (DP = TP = CP = 0)
+    then broadcasts its layers over its own group; rank 0 closes the session when every stage is done."""
+
+    def __init__(self, args: Any, node_ip: str) -> None:
+        self.args = args
+        self.node_ip = node_ip
+        self.sender: DistributedWeightSync | None = None
+
+    def sync(self, trainer: Any, engines: list[dict[str, Any]], weight_version: int) -> dict[str, float]:
+        targets = [EngineTarget(e["url"], int(e["num_gpus"])) for e in engines]
+        clients = [SGLangClient(t.url) for t in targets] if dist.get_rank() == 0 else []
+        begin_weight_sync(clients)
+        dist.barrier()
+        named = trainer.export_hf()
+        out: dict[str, float] = {}
+        if trainer.is_weight_sender():
+            if self.sender is None:
+                self.sender = DistributedWeightSync(
+                    pp_rank=trainer.ps.rank("pp"),
+                    master_address=self.node_ip,
+                    backend=self.args.distributed_backend,
+                    bucket_bytes=self.args.update_weight_buffer_size,
+                    timeout_s=60.0 * self.args.distributed_timeout_minutes,
+                )
+            self.sender.connect(targets)
+            t0 = time.perf_counter()  # conversion (the export generator) and broadcast: the sender's part
+            out = self.sender.send(named, weight_version)
+            out["weight_sync/send_s"] = time.perf_counter() - t0
+        else:
+            for _ in named:  # take part in the TP gathers only
+                pass
+        dist.barrier()
+        end_weight_sync(clients)
+        for c in clients:
+            c.close()
+        return out
