@@ -1,4 +1,6 @@
-"""The training seam: what one train rank of one role does, whatever trains it (docs/architecture.md#the-training-seam).
+"""The training seam: what one train rank of one role does, whatever trains it.
+
+(docs/architecture.md#the-training-seam)
 
 The Ray side (`slime/ray/train_actor.py`) hosts one `TrainBackend` per train rank and role and knows nothing of
 how it trains: it rendezvouses the ranks, fetches each rank's train data, records what it received, and calls
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import socket
 from argparse import Namespace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from slime.utils.misc import load_function
@@ -32,22 +35,24 @@ from slime.utils.misc import load_function
 TRAIN_BACKENDS = {"megatron": "slime.backends.megatron.backend.MegatronBackend"}
 
 
+@dataclass(frozen=True)
+class RankPlace:
+    """Where one train rank joins its role's process group."""
+
+    rank: int
+    world_size: int
+    master: tuple[str, int]  # the rendezvous, served by rank 0
+    node_ip: str  # this rank's node address: its own listening sockets bind it
+    listen: socket.socket | None = None  # rank 0: the socket bound at `master`, until the process group takes it
+
+
 class TrainBackend(Protocol):
     """One train rank of one role. Built as `cls(args, role)` (the role's args), then `build`; every method is
     called on every rank of the role (most are collectives)."""
 
-    def build(
-        self,
-        rank: int,
-        world_size: int,
-        master: tuple[str, int],
-        *,
-        node_ip: str,
-        listen: socket.socket | None,
-        load_path: str | None,
-    ) -> int | None:
-        """Join the process group at `master` (rank 0 serves it on `listen`, bound on `node_ip`), build the
-        model, load the checkpoint at `load_path` if given, then sleep; returns the loaded rollout id."""
+    def build(self, place: RankPlace, load_path: str | None) -> int | None:
+        """Join the process group, build the model, load the checkpoint at `load_path` if given, then sleep;
+        returns the loaded rollout id."""
         ...
 
     def dp_rank(self) -> int:
@@ -95,7 +100,7 @@ class IdleBackend:
     def __init__(self, args: Namespace, role: str) -> None:
         self.role = role
 
-    def build(self, rank: int, world_size: int, master: tuple[str, int], **kwargs: Any) -> int | None:
+    def build(self, place: RankPlace, load_path: str | None) -> int | None:
         return None
 
     def dp_rank(self) -> int:

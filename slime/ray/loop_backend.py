@@ -3,14 +3,16 @@
 Generation may overlap training (one-step-ahead, fully async), so the loop awaits the manager's object refs on
 an event loop and runs the blocking train-group calls in a worker thread. What each event does here:
 
-| event | call |
-|---|---|
-| rollout, train_data / start_producer, consume, stop_producer | `RolloutManager.rollout`, `.train_data` / the fully-async producer's |
-| release_engines, resume_engine_weights, resume_engine_cache | `RolloutManager.offload`, `.onload(["weights"])`, `.onload(["kv_cache", "cuda_graph"])` |
-| train, save, save_hf | `TrainGroup.train` (critic, then actor), `.save` (between the checkpoint dir's begin and finish), `.save_hf` |
-| sync_weights | engines held (`lock_weight_sync_engines`: fully async pauses generation), the actor's weights pushed, engines let go |
-| evaluate | `RolloutManager.eval` |
-| step_done | the step's metrics logged, the progress line moved |
+- rollout, train_data: `RolloutManager.rollout`, `.train_data`; start_producer, consume, stop_producer: the
+  fully-async producer's, on the manager;
+- release_engines, resume_engine_weights, resume_engine_cache: `RolloutManager.offload`, `.onload(["weights"])`,
+  `.onload(["kv_cache", "cuda_graph"])`;
+- train, save, save_hf: `TrainGroup.train` (critic, then actor), `.save` (between the checkpoint dir's begin and
+  finish, with the manager's part), `.save_hf`;
+- sync_weights: the engines held (`lock_weight_sync_engines`; fully async pauses generation), the actor's weights
+  pushed, the engines let go;
+- evaluate: `RolloutManager.eval`; started, step_done: the start-up and each step's metrics logged, the progress
+  line moved.
 """
 
 from __future__ import annotations

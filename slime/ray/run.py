@@ -1,4 +1,4 @@
-"""A training run on Ray, every schedule: placement group → RolloutManager → train group → resume → the one loop.
+"""A training run on Ray, in every schedule: placement group → RolloutManager → train group → resume → the loop.
 
 `slime/train.py` calls `run` once Ray is up. The set-up is the same for the synchronous, one-step-ahead and
 fully-async schedules (which flags each refuses: `slime/arguments.py:check_schedule_combinations`); the loop

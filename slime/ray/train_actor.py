@@ -22,7 +22,7 @@ from typing import Any
 
 import ray
 
-from slime.backends.train_backend import train_backend_class
+from slime.backends.train_backend import RankPlace, train_backend_class
 from slime.utils.console import configure_actor
 from slime.utils.http_utils import node_address
 from slime.utils.process import forks_die_with_this_process
@@ -64,10 +64,8 @@ class TrainRayActor:
     def init(self, master_addr: str, master_port: int, load_path: str | None = None) -> int:
         """Build the backend, resume from `load_path` if given; returns the first rollout id to run
         (the checkpoint's rollout + 1, unless --start-rollout-id says otherwise)."""
-        loaded = self.backend.build(
-            self.rank, self.world_size, (master_addr, master_port), node_ip=self.node_ip, listen=self._listen,
-            load_path=load_path,
-        )  # fmt: skip
+        place = RankPlace(self.rank, self.world_size, (master_addr, master_port), self.node_ip, self._listen)
+        loaded = self.backend.build(place, load_path)
         if loaded is not None and self.args.start_rollout_id is None:
             return loaded + 1
         return self.args.start_rollout_id or 0

@@ -75,6 +75,16 @@ def state_path(path_dir: str, rollout_id: int) -> str:
     return os.path.join(path_dir, f"global_dataset_state_dict_{rollout_id}.json")
 
 
+def read_state(path: str, what: str, fresh: str) -> dict[str, Any] | None:
+    """The JSON state of `what` a checkpoint holds at `path`; None, and a line saying the run starts `fresh`,
+    when it holds none (a checkpoint of a run without it)."""
+    if not os.path.exists(path):
+        logger.info("no %s at %s; %s", what, path, fresh)
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
 class RolloutDataSource(DataSource):
     """Epoch-wrapping iterator over `--prompt-data`, reshuffled per epoch with seed `rollout_seed + epoch`."""
 
@@ -180,11 +190,9 @@ class RolloutDataSource(DataSource):
         if d is None or rollout_id is None:
             return
         path = state_path(d, rollout_id)
-        if not os.path.exists(path):
-            logger.info("no data source state at %s; starting from the beginning", path)
+        state = read_state(path, "data source state", "starting from the beginning")
+        if state is None:
             return
-        with open(path, encoding="utf-8") as f:
-            state = json.load(f)
         self._set_state(state)
         logger.info("data source resumed from %s (epoch %d, offset %d)", path, self.epoch_id, self.offset)
 

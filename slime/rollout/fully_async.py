@@ -14,7 +14,7 @@ import logging
 import os
 from typing import Any
 
-from slime.rollout.data_source import call_with_checkpoint_dir
+from slime.rollout.data_source import call_with_checkpoint_dir, read_state
 from slime.rollout.filter_hub.base_types import call_dynamic_filter
 from slime.rollout.generate import GenerateState, base_sampling_params, generate_and_rm_group
 from slime.rollout.sglang_rollout import abort_engines, seed_group
@@ -129,12 +129,9 @@ class FullyAsyncRollout:
 
     def load(self, rollout_id: int, rollout_dir: str) -> None:
         """After the data source loaded its own state (the manager does that first)."""
-        path = state_path(rollout_dir, rollout_id)
-        if not os.path.exists(path):
-            logger.info("no fully-async state at %s; starting with an empty buffer", path)
+        state = read_state(state_path(rollout_dir, rollout_id), "fully-async state", "starting with an empty buffer")
+        if state is None:
             return
-        with open(path, encoding="utf-8") as f:
-            state = json.load(f)
 
         async def go() -> None:
             self.rollout.load_state_dict(state)

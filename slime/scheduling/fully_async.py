@@ -34,6 +34,7 @@ and dropped prompt indices; taken in one step of the event loop, so nothing move
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import pickle
 from collections.abc import Callable
@@ -93,13 +94,16 @@ class AsyncConfig:
 class _Counters:
     consumed_groups: int = 0
     stale_groups: int = 0
-    stale_retried: int = 0
-    stale_dropped: int = 0
+    stale_retried_groups: int = 0
+    stale_dropped_groups: int = 0
     filtered_groups: int = 0
     aborted_groups: int = 0
     producer_wait_s: float = 0.0
     trainer_wait_s: float = 0.0
     staleness: list[int] = field(default_factory=list)  # of the groups consumed since the last report
+
+    def counts(self) -> dict[str, float]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "staleness"}
 
 
 def settle_stale_group(group: Group, handler: str, source: DataSourceLike) -> bool:
@@ -194,17 +198,12 @@ class AsyncRollout:
 
     def totals(self) -> dict[str, float]:
         """Counts over the whole run (the per-step metrics are `consume`'s)."""
-        t = self._total
-        return {
-            "consumed_groups": t.consumed_groups,
-            "stale_groups": t.stale_groups,
-            "stale_retried_groups": t.stale_retried,
-            "stale_dropped_groups": t.stale_dropped,
-            "filtered_groups": t.filtered_groups,
-            "aborted_groups": t.aborted_groups,
-            "producer_wait_s": t.producer_wait_s,
-            "trainer_wait_s": t.trainer_wait_s,
-        }
+        return self._total.counts()
+
+    def _count(self, name: str, n: float) -> None:
+        """Add `n` to one counter, since the last consume and over the run."""
+        setattr(self._window, name, getattr(self._window, name) + n)
+        setattr(self._total, name, getattr(self._total, name) + n)
 
     @property
     def max_buffer_size(self) -> int:
@@ -262,8 +261,7 @@ class AsyncRollout:
                     blocked = self._blocked_by_consumer()
                     waited = await self._wait(self._room)
                     if blocked:
-                        self._window.producer_wait_s += waited
-                        self._total.producer_wait_s += waited
+                        self._count("producer_wait_s", waited)
                 groups = self.source.get_samples(1)
                 if not groups:
                     raise RuntimeError("the data source returned no group; the fully-async producer cannot continue")
@@ -314,16 +312,14 @@ class AsyncRollout:
             self._notify()  # an engine slot is free (or the failure is visible)
         try:
             if _unfinished(result):
-                self._window.aborted_groups += 1
-                self._total.aborted_groups += 1
+                self._count("aborted_groups", 1)
                 self.source.add_samples([result])  # resumes from its tokens, like a partial rollout
                 return
             if self.keep_group is not None:
                 keep, reason = self.keep_group(result)
                 if not keep:
                     logger.debug("dynamic filter dropped group %d (%s)", _prompt_index(result), reason)
-                    self._window.filtered_groups += 1
-                    self._total.filtered_groups += 1
+                    self._count("filtered_groups", 1)
                     self.dropped_ids.append(_prompt_index(result))
                     return
             try:
@@ -392,25 +388,20 @@ class AsyncRollout:
                     self._window.staleness.append(staleness)
             self._notify()
         self.next_consume = rollout_id + 1
-        self._window.trainer_wait_s += waited
-        self._total.trainer_wait_s += waited
-        self._window.consumed_groups += len(taken)
-        self._total.consumed_groups += len(taken)
+        self._count("trainer_wait_s", waited)
+        self._count("consumed_groups", len(taken))
         self.consumed_ids.extend(_prompt_index(g) for g in taken)
         self._notify()
         taken.sort(key=lambda g: flatten(g)[0].index if flatten(g)[0].index is not None else -1)
         return taken, self._report()
 
     def _handle_stale(self, group: Group) -> None:
-        self._window.stale_groups += 1
-        self._total.stale_groups += 1
+        self._count("stale_groups", 1)
         if settle_stale_group(group, self.config.unused_handler, self.source):
-            self._window.stale_retried += 1
-            self._total.stale_retried += 1
+            self._count("stale_retried_groups", 1)
         else:
             self.dropped_ids.append(_prompt_index(group))
-            self._window.stale_dropped += 1
-            self._total.stale_dropped += 1
+            self._count("stale_dropped_groups", 1)
 
     def _report(self) -> dict[str, float]:
         """Metrics since the previous consume (rates) plus the state now (sizes, totals)."""
@@ -419,13 +410,7 @@ class AsyncRollout:
             "async/buffer_size": float(len(self.buffer)),
             "async/in_flight_groups": float(self.in_flight_groups),
             "async/in_flight_samples": float(self.in_flight_samples),
-            "async/stale_groups": float(w.stale_groups),
-            "async/stale_retried_groups": float(w.stale_retried),
-            "async/stale_dropped_groups": float(w.stale_dropped),
-            "async/filtered_groups": float(w.filtered_groups),
-            "async/aborted_groups": float(w.aborted_groups),
-            "async/producer_wait_s": w.producer_wait_s,
-            "async/trainer_wait_s": w.trainer_wait_s,
+            **{f"async/{k}": float(v) for k, v in w.counts().items() if k != "consumed_groups"},
             "async/dropped_groups_total": float(len(self.dropped_ids)),
             "async/engine_version": float(self.engine_version if self.engine_version is not None else -1),
         }

@@ -114,48 +114,47 @@ class LoopPlan:
 
 
 class LoopBackend:
-    """What the loop asks of a run. A backend overrides the events its runs have: every run has `rollout`,
-    `train_data`, `train` and (with a save plan) `save`, `sync_weights`; fully-async runs the producer's three;
-    the rest are no-ops here. `rollout` generates a rollout and keeps it; `train_data` turns the kept rollout into
-    the trainer's batch (two calls, so the one-step loop converts rollout r, whose carry-over and checkpoint state
-    come first, before it launches rollout r+1)."""
+    """What the loop asks of a run: one method per event, each a no-op here. A backend overrides the events its
+    runs have, and the loop refuses to start a plan whose events it lacks (`required_events`). `rollout` generates
+    a rollout and keeps it; `train_data` turns the kept rollout into the trainer's batch (two calls, so the
+    one-step loop converts rollout r, whose carry-over and checkpoint state come first, before it launches
+    rollout r+1)."""
 
     async def evaluate(self, rollout_id: int) -> None:
         """Eval before rollout `rollout_id` (and after the last one)."""
 
     async def rollout(self, rollout_id: int) -> None:
-        raise NotImplementedError
+        """Generate rollout `rollout_id` and keep it (one step ahead, while the previous step trains)."""
 
     async def train_data(self, rollout_id: int) -> Any:
-        raise NotImplementedError
+        """The kept rollout as the trainer's batch (its carry-over and checkpoint state settled now)."""
 
     async def start_producer(self, rollout_id: int) -> None:
-        raise NotImplementedError
+        """Fully async: start generating, for a trainer at weight version `rollout_id`."""
 
     async def consume(self, rollout_id: int) -> Any:
-        raise NotImplementedError
+        """Fully async: the next batch of finished groups within the staleness bound."""
 
     async def stop_producer(self) -> None:
-        raise NotImplementedError
+        """Fully async: stop generating; what is unfinished goes back where a checkpoint finds it."""
 
     async def release_engines(self) -> None:
         """Colocated: the engines free their GPU memory for the trainer."""
 
     async def train(self, rollout_id: int, batch: Any, keep_weights: bool) -> None:
         """`keep_weights`: a weight sync follows, which reads the weights where this call leaves them."""
-        raise NotImplementedError
 
     async def save(self, rollout_id: int) -> None:
-        raise NotImplementedError
+        """A checkpoint after step `rollout_id`: the trainer's state and the rollout side's, complete or not at all."""
 
     async def save_hf(self, rollout_id: int) -> None:
-        raise NotImplementedError
+        """The trainer's weights as an HF checkpoint."""
 
     async def resume_engine_weights(self) -> None:
         """Colocated: the engines take back the memory of their weights (before the sync writes them)."""
 
     async def sync_weights(self, version: int) -> None:
-        raise NotImplementedError
+        """The engines get the trainer's weights as `version`; no rollout is generating under the old ones then."""
 
     async def resume_engine_cache(self) -> None:
         """Colocated: the engines take back the rest (KV cache, CUDA graphs) once the sync is done."""
@@ -166,6 +165,14 @@ class LoopBackend:
     async def step_done(self, rollout_id: int, times: dict[str, float]) -> None:
         """Step `rollout_id` is over (trained, saved and synced as due); `times`: its phases (`STEP_PHASES`), wall
         time (`time/step`) and `time/unaccounted`."""
+
+
+def required_events(plan: LoopPlan) -> list[str]:
+    """The events `plan` calls that have no meaningful default: a backend must define them."""
+    fully_async = plan.mode == "fully_async"
+    events = ["start_producer", "consume", "stop_producer"] if fully_async else ["rollout", "train_data"]
+    optional = (("save", plan.save), ("save_hf", plan.save_hf), ("sync_weights", plan.sync_weights))
+    return [*events, "train", *(event for event, used in optional if used)]
 
 
 Recorder = Callable[[str, int], None]
@@ -207,6 +214,9 @@ class _Phases:
 
 async def run_loop(plan: LoopPlan, backend: LoopBackend, record: Recorder | None = None) -> None:
     """Run rollouts `plan.start .. plan.num_rollout - 1` in the plan's schedule."""
+    missing = [e for e in required_events(plan) if getattr(type(backend), e) is getattr(LoopBackend, e)]
+    if missing:
+        raise TypeError(f"{type(backend).__name__} cannot run this plan: it has no {', '.join(missing)} event")
     clock = _Phases(record)
 
     async def sync_point(rollout_id: int, version: int | None) -> None:

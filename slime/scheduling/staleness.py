@@ -18,10 +18,25 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from slime.utils.types import Sample, Status
+from slime.utils.types import Sample
 
 # metadata key: the engines' weight version when a fully-async producer first dispatched the sample
 DISPATCH_VERSION_KEY = "dispatch_weight_version"
+# what generating a sample fills in; a retried group gets them back as a fresh `Sample` has them
+GENERATED_FIELDS = (
+    "response",
+    "response_length",
+    "reward",
+    "loss_mask",
+    "rollout_log_probs",
+    "rollout_routed_experts",
+    "teacher_log_probs",
+    "ref_log_probs",
+    "weight_versions",
+    "weight_version_spans",
+    "remove_sample",
+    "status",
+)
 
 
 def parse_version(value: Any) -> int | None:
@@ -86,18 +101,9 @@ def reset_for_retry(group: list[Sample | list[Sample]]) -> list[Sample]:
         s = item[0] if fanned_out else item
         prompt_len = len(s.tokens) - s.response_length
         s.tokens = list(s.tokens[:prompt_len])
-        s.response = ""
-        s.response_length = 0
-        s.reward = None
-        s.loss_mask = None
-        s.rollout_log_probs = None
-        s.rollout_routed_experts = None
-        s.teacher_log_probs = None
-        s.ref_log_probs = None
-        s.weight_versions = []
-        s.weight_version_spans = []
-        s.remove_sample = False
-        s.status = Status.PENDING
+        fresh = Sample()
+        for name in GENERATED_FIELDS:
+            setattr(s, name, getattr(fresh, name))
         s.metadata.pop(DISPATCH_VERSION_KEY, None)
         s.metadata.pop("start_rollout_id", None)
         if fanned_out:  # the fan-out set these on its segments; the prompt had its own (usually none)

@@ -82,11 +82,13 @@ def _rollout(args, rollout_id: int, first_index: int) -> list:
 
 def _per_token_diff(trainer, data: dict) -> tuple[float, int]:
     """Independent check: the trainer's π_old recompute (same micro-batches as `train`) vs the engine, per token."""
-    mbs = trainer._microbatches(data)
+    from slime.backends.megatron.microbatch import microbatches
+
+    mbs = microbatches(data)
     trainer._compute_logprobs(mbs, "log_probs")
     worst, count = 0.0, 0
     for mb in mbs:
-        for lp, roll, mask in zip(mb["log_probs"], mb["rollout_log_probs"], mb["loss_masks"], strict=True):
+        for lp, roll, mask in zip(mb.log_probs, mb.rollout_log_probs, mb.loss_masks, strict=True):
             assert len(lp) == len(roll) == len(mask)
             keep = torch.tensor(mask) > 0
             d = (lp.double() - torch.tensor(roll, dtype=torch.float64)).abs()[keep]

@@ -201,6 +201,18 @@ def test_a_step_is_timed_by_its_phases(plan, dur):
         assert backend.steps[plan.start + 1]["time/rollout"] == pytest.approx(dur["rollout"] + dur["train_data"])
 
 
+def test_a_backend_without_an_event_the_plan_needs_is_refused_before_anything_runs():
+    class NoCheckpoints(TimedBackend):
+        save = LoopBackend.save  # as if it never defined it
+
+    backend = NoCheckpoints({})
+    with pytest.raises(TypeError, match="NoCheckpoints cannot run this plan: it has no save event"):
+        run_virtual(run_loop(LoopPlan("sync", 0, 2, save=True), backend))
+    assert backend.calls == []
+    run_virtual(run_loop(LoopPlan("sync", 0, 2), backend))  # without a save plan it runs
+    assert [c.kind for c in backend.calls].count("train") == 2
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("interval,steps,save_interval", [(1, 3, None), (2, 5, 2), (3, 4, 1)])
 def test_the_simulator_runs_each_schedule_in_its_documented_order(mode, interval, steps, save_interval):

@@ -70,12 +70,12 @@ def _worker(rank: int, port: int, student: str, ref: str, served: str, out: str)
         def spy(mb, original=original, seen=seen):
             original(mb)
             for key in ("log_probs", "ref_log_probs", "teacher_log_probs", "advantages"):
-                seen.setdefault(key, {}).update({i: mb[key][p].tolist() for p, i in enumerate(mb["indices"])})
+                seen.setdefault(key, {}).update({i: getattr(mb, key)[p].tolist() for p, i in enumerate(mb.indices)})
 
         trainer._prepare_batch = spy
         metrics = trainer.train(0, data[0])
         result[mode] = {"kl_loss": metrics["train/kl_loss"], "opd_reverse_kl": metrics["train/opd_reverse_kl"],
-                        "has_ref_copy": trainer.ref_params is not None, "rewards": data[0]["rewards"],
+                        "has_ref_copy": "ref" in trainer.frozen, "rewards": data[0]["rewards"],
                         "positions": data[0]["batch_positions"], **seen}  # fmt: skip
         destroy_megatron()
         port = find_free_port()

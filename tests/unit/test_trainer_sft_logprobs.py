@@ -26,6 +26,7 @@ def _worker(rank: int, port: int, ckpt: str, out: str) -> None:
 
     from slime.arguments import parse_args
     from slime.backends.megatron.initialize import destroy_megatron
+    from slime.backends.megatron.microbatch import microbatches
     from slime.backends.megatron.trainer import MegatronTrainer
     from slime.ray.train_data import build_rank_data
     from slime.scheduling.carry import CarryBuffer
@@ -51,10 +52,10 @@ def _worker(rank: int, port: int, ckpt: str, out: str) -> None:
                                   reward=rng.random(), status=Status.COMPLETED,
                                   rollout_log_probs=[-1.0] * r))  # fmt: skip
         data, _ = build_rank_data(args, 0, samples, CarryBuffer(), {"dp_size": 1, "cp_size": 1})
-        ref_mbs = trainer._microbatches(data[0])
-        trainer._compute_logprobs(ref_mbs, "pre")
-        sums = [float(lp.sum()) for mb in ref_mbs for lp in mb["pre"]]
-        counts = [len(lp) for mb in ref_mbs for lp in mb["pre"]]
+        ref_mbs = microbatches(data[0])
+        trainer._compute_logprobs(ref_mbs, "log_probs")
+        sums = [float(lp.sum()) for mb in ref_mbs for lp in mb.log_probs]
+        counts = [len(lp) for mb in ref_mbs for lp in mb.log_probs]
         filled: list[str] = []
         original = trainer._compute_logprobs
 

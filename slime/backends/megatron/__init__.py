@@ -3,6 +3,10 @@
 Modules (import them directly; this package imports no megatron so `import slime` stays cheap — megatron's
 import costs ~2.5 s with `lean_import`, ~7 s without):
 
+- `backend`: `MegatronBackend`, the `TrainBackend` of every role (slime/backends/train_backend.py): the role's
+  trainer, offload, checkpoints and the weight-sync transports (`weight_sync`, `weight_sync_distributed`).
+- `trainer`: `MegatronTrainer`, one rank's RL step; `critic`: PPO's `CriticTrainer`; `trainer_setup`: the set-up
+  steps; `microbatch`: `MicroBatch`; `sync_sources`, `hf_checkpoint`: what a sync reads, `--save-hf`.
 - `initialize`: `init_distributed(args, rank, world_size, master_addr, master_port)`, then
   `init_megatron(args) -> MegatronParallelState` (runs `--custom-megatron-init-path`, e.g. the CPU shim).
 - `parallel_state`: `MegatronParallelState`, the `slime.parallel_state.ParallelState` over megatron's groups.
@@ -15,7 +19,7 @@ import costs ~2.5 s with `lean_import`, ~7 s without):
   one prompt share its rows), `unpack`, `unpack_logits`.
 - `context_parallel`: a packed row's zigzag share per CP rank, K/V gathered over the CP group, response
   tokens scored per rank and gathered back in sample order.
-- `pipeline_runs`: `ModelChunks`, the trainer's model chunk(s) and megatron's pipeline schedules over them.
+- `pipeline_runs`: `PipelineRunner`, megatron's pipeline schedules over a rank's model chunk(s).
 - `rank_layout`: megatron's rank order (tp-cp-ep-dp-pp) without megatron; `slime plan` and `sim/` use it.
 """
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 import time
 from argparse import Namespace
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ from slime.backends.megatron.trainer import MegatronTrainer
 from slime.backends.megatron.weight_hash import check_trainer_on_engines
 from slime.backends.megatron.weight_sync import TensorTransport
 from slime.backends.megatron.weight_sync_distributed import DistributedTransport
+from slime.backends.train_backend import RankPlace
 
 logger = logging.getLogger(__name__)
 
@@ -45,22 +45,14 @@ class MegatronBackend:
         self.trainer: MegatronTrainer | None = None
         self.transport: TensorTransport | DistributedTransport | None = None
 
-    def build(
-        self,
-        rank: int,
-        world_size: int,
-        master: tuple[str, int],
-        *,
-        node_ip: str,
-        listen: socket.socket | None,
-        load_path: str | None,
-    ) -> int | None:
+    def build(self, place: RankPlace, load_path: str | None) -> int | None:
         args = self.args
         self.trainer = TRAINERS[self.role](
-            args, rank, world_size, *master, node_ip=node_ip, listen=listen, offloader=self.offloader
-        )
+            args, place.rank, place.world_size, *place.master, node_ip=place.node_ip, listen=place.listen,
+            offloader=self.offloader,
+        )  # fmt: skip
         if args.update_weight_mode == "distributed":
-            self.transport = DistributedTransport(args, node_ip)
+            self.transport = DistributedTransport(args, place.node_ip)
         else:
             self.transport = TensorTransport(args.update_weight_buffer_size)
         loaded = None

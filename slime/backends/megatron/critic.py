@@ -26,6 +26,7 @@ from slime.algorithms.ppo import response_values, value_loss
 from slime.algorithms.reducers import make_reducer
 from slime.backends.megatron.hf_weights import HFReader, load_hf_weights
 from slime.backends.megatron.initialize import run_custom_megatron_init
+from slime.backends.megatron.microbatch import MicroBatch, microbatches
 from slime.backends.megatron.model_provider import build_gpt_model
 from slime.backends.megatron.offload import PhaseMemory
 from slime.backends.megatron.packing import PackedBatch
@@ -74,24 +75,25 @@ class CriticTrainer(MegatronTrainer):
                         model.config.init_method_std)  # fmt: skip
         return model
 
-    def _forward(self, mb: dict[str, Any]) -> tuple[torch.Tensor, PackedBatch]:
+    def _forward(self, mb: MicroBatch, model: Any = None) -> tuple[torch.Tensor, PackedBatch]:
         """Per-row values [T] (fp32) of the micro-batch's packed row."""
         packed = self._pack(mb)
-        out = self.model(packed.tokens, packed.position_ids, None, packed_seq_params=packed.packed_seq_params)
+        model = model if model is not None else self.model
+        out = model(packed.tokens, packed.position_ids, None, packed_seq_params=packed.packed_seq_params)
         return out[0, :, 0], packed
 
-    def _sample_values(self, out: torch.Tensor, mb: dict[str, Any], packed: PackedBatch) -> list[torch.Tensor]:
-        return [response_values(out, packed.sample_rows(i, last=r + 1)) for i, r in enumerate(mb["response_lengths"])]
+    def _sample_values(self, out: torch.Tensor, mb: MicroBatch, packed: PackedBatch) -> list[torch.Tensor]:
+        return [response_values(out, packed.sample_rows(i, last=r + 1)) for i, r in enumerate(mb.response_lengths)]
 
     @torch.no_grad()
-    def _old_values(self, mbs: list[dict[str, Any]]) -> None:
-        self.model.eval()
+    def _old_values(self, mbs: list[MicroBatch]) -> None:
+        self.pipeline.set_mode(False)
         for mb in mbs:
-            mb["values"] = []
-            if mb["tokens"]:
+            mb.values = []
+            if not mb.empty:
                 out, packed = self._forward(mb)
-                mb["values"] = [v.float() for v in self._sample_values(out, mb, packed)]
-        self.model.train()
+                mb.values = [v.float() for v in self._sample_values(out, mb, packed)]
+        self.pipeline.set_mode(True)
 
     def train_rollout(
         self, rollout_id: int, data: dict[str, Any], values: list[list[float]] | None = None
@@ -100,7 +102,7 @@ class CriticTrainer(MegatronTrainer):
         run_custom_megatron_init(self.args)
         memory = PhaseMemory()
         t0 = time.perf_counter()
-        mbs = self._microbatches(data)
+        mbs = microbatches(data)
         self._old_values(mbs)
         memory.end("critic_values")
         for mb in mbs:
@@ -116,20 +118,18 @@ class CriticTrainer(MegatronTrainer):
         metrics["time/critic_train"] = t2 - t1
         old: list[list[float] | None] = [None] * len(data["tokens"])
         for mb in mbs:
-            for i, v in zip(mb["indices"], mb["values"], strict=True):
+            for i, v in zip(mb.indices, mb.values, strict=True):
                 old[i] = v.tolist()
         return metrics, old
 
     def _micro_batch_loss(
-        self, mb: dict[str, Any], packed: PackedBatch, out: torch.Tensor
+        self, mb: MicroBatch, packed: PackedBatch, out: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Clipped value loss, one token mean per group like every other loss (reducers.py)."""
-        reduce = make_reducer(
-            mb["loss_masks"], mb["group_mask_sums"], per_token=bool(self.args.calculate_per_token_loss)
-        )
+        reduce = make_reducer(mb.loss_masks, mb.group_mask_sums, per_token=bool(self.args.calculate_per_token_loss))
         values = torch.cat(self._sample_values(out, mb, packed))
-        old = torch.cat(mb["values"]).to(values.device)
-        returns = torch.cat(mb["returns"]).to(values.device)
+        old = torch.cat(mb.values).to(values.device)
+        returns = torch.cat(mb.returns).to(values.device)
         loss_t, clip_t = value_loss(values, old, returns, float(self.args.value_clip))
         loss = reduce(loss_t) + out.sum() * 0.0  # every row stays in the graph, as on an empty rank
         metrics = {
