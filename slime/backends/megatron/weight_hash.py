@@ -14,10 +14,8 @@ trainer hashes them that way for such an engine.
 
 Use (the `--check-weight-update-equal` wiring)::
 
-    layout = engine_checksum_layout(engine_urls[0])             # how the engines name and hash (rank 0 asks)
-    sums = trainer_weight_checksums(trainer, layout=layout)    # every TP rank iterates; senders get a dict
-    if sums is not None:
-        check_engines(engine_urls, sums)                        # raises WeightMismatch naming the tensors
+    check_trainer_on_engines(trainer, engine_urls)  # a collective of every train rank; rank 0 asks each engine
+                                                    # once, hashes as it does, raises WeightMismatch naming tensors
 
 With pipeline parallelism each stage's sender hashes its own layers; merge the dicts (names are disjoint)
 before comparing with an engine, which holds all layers.
@@ -141,10 +139,10 @@ def trainer_weight_checksums(
     return hf_weight_checksums(named, dtype=dtype, layout=layout)
 
 
-def engine_checksum_layout(url: str) -> ChecksumLayout:
-    """How the engine at `url` names and hashes its weights: fused names if its checksums show any, the GPU hash if
-    it serves on a GPU (`/server_info`'s `device`)."""
-    names = fetch_engine_checksums(url)
+def engine_checksum_layout(url: str, names: Iterable[str] | None = None) -> ChecksumLayout:
+    """How the engine at `url` names and hashes its weights: fused names if its checksums (`names`, fetched when not
+    given) show any, the GPU hash if it serves on a GPU (`/server_info`'s `device`)."""
+    names = list(fetch_engine_checksums(url) if names is None else names)
     with SGLangClient(url, timeout=60.0) as client:
         device = str(client.server_info().get("device") or "cuda")  # SGLang's default device
     fused = any(fused in n for n in names for fused, _, _ in _FUSED.values())
@@ -176,10 +174,14 @@ def compare_checksums(trainer: dict[str, str], engine: dict[str, str]) -> list[s
     return problems
 
 
-def check_engines(engine_urls: list[str], trainer_checksums: dict[str, str]) -> dict[str, float]:
-    """Raise `WeightMismatch` unless every engine holds exactly the trainer's tensors; returns metrics."""
+def check_engines(
+    engine_urls: list[str], trainer_checksums: dict[str, str], fetched: dict[str, dict[str, str]] | None = None
+) -> dict[str, float]:
+    """Raise `WeightMismatch` unless every engine holds exactly the trainer's tensors; returns metrics. `fetched`:
+    engines' checksums already asked for (by URL), not asked again."""
     for url in engine_urls:
-        problems = compare_checksums(trainer_checksums, fetch_engine_checksums(url))
+        engine = (fetched or {}).get(url)
+        problems = compare_checksums(trainer_checksums, fetch_engine_checksums(url) if engine is None else engine)
         if problems:
             raise WeightMismatch(f"{url}: {len(problems)} tensors differ: " + "; ".join(problems[:5]))
     logger.info(
@@ -199,7 +201,11 @@ def check_trainer_on_engines(trainer: Any, engine_urls: list[str]) -> dict[str, 
     collective of every train rank, which rank 0 checks."""
     import torch.distributed as dist
 
-    layout = [engine_checksum_layout(engine_urls[0]) if dist.get_rank() == 0 else None]
+    fetched: dict[str, dict[str, str]] = {}
+    layout: list[ChecksumLayout | None] = [None]
+    if dist.get_rank() == 0:  # each engine asked once: its checksums say how it names, and are what is compared
+        fetched = {url: fetch_engine_checksums(url) for url in engine_urls}
+        layout[0] = engine_checksum_layout(engine_urls[0], fetched[engine_urls[0]])
     dist.broadcast_object_list(layout, src=0)  # every sender hashes as the engines do
     sums = trainer_weight_checksums(trainer, layout=layout[0])
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -207,4 +213,4 @@ def check_trainer_on_engines(trainer: Any, engine_urls: list[str]) -> dict[str, 
     if dist.get_rank() != 0:
         return {}
     merged = {k: v for part in gathered if part for k, v in part.items()}
-    return check_engines(engine_urls, merged)
+    return check_engines(engine_urls, merged, fetched)
