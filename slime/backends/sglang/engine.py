@@ -103,6 +103,7 @@ class SGLangEngine:
             return None
         self.client = SGLangClient(self.url)
         self.process.wait_healthy(self.client.healthy, timeout, interval=0.3, port=self.port)
+        logger.info("%s at %s: %s", self.name, self.url, self.client.protocol.describe())  # asked once, kept
         return self.url
 
     def pid(self) -> int | None:
