@@ -567,6 +567,7 @@ def build_cases(vocab_size: int, torch_payloads: dict[str, str | None]) -> list[
                 },
             ),
             ["response.json.object", "len(response.json.choices)", "response.json.choices.0.message.role"],
+            any_type=["response.json.choices.*.matched_stop"],  # a stop token id, a stop string or null
         ),
         single(
             "chat_completions_bad", "chat without messages", req("POST", "/v1/chat/completions", {"model": "default"})

@@ -13,6 +13,7 @@ A fixture (one JSON file per case)::
      "deterministic": ["response.status", "len(response.json.output_ids)", ...],
      "invariants": [{"equal": ["first.response.json.output_ids", "second.response.json.output_ids"]}],
      "shape_ignore": ["response.json"],             # subtrees compared by presence and type only, not their keys
+     "any_type": ["response.json.choices.*.matched_stop"],  # present, of whatever type (it follows the values)
      "required": ["response.json.version"]}         # paths that must be present (with the recorded type)
 
 Paths are dotted and rooted at a view of the fixture: ``request`` / ``response`` (the main step) and each step by
@@ -24,8 +25,11 @@ present in the answer with the same JSON type (int, float, bool, str, null, list
 lists are compared element by element (an element past the recorded ones against the last recorded one) and a
 list whose elements have different types (a tuple such as ``[logprob, token_id, text]``) must have the recorded
 length; a recorded non-empty list answered empty is reported. Keys the answer has beyond the recorded ones are
-reported as ``extra``. SSE answers (``sse``: the parsed ``data:`` payloads) are compared chunk by chunk: the last
-JSON chunk against the recorded last, every earlier one against the recorded first, and the ``[DONE]`` tail.
+reported as ``extra``. A path under ``any_type`` must be present but may hold any JSON type (a field whose type
+follows the values, such as a chat choice's ``matched_stop``: a token id, a stop string or null). SSE answers
+(``sse``: the parsed ``data:`` payloads) are compared chunk by chunk: the first JSON chunk against the recorded
+first, the last against the recorded last, every one between against the recorded second (SGLang's first chunk
+carries fields the later ones do not: ``response_sent_to_client_ts``), and the ``[DONE]`` tail.
 Then the values at the deterministic paths must be equal, and the invariants must hold in the answer.
 """
 
@@ -138,13 +142,15 @@ def _is_tuple(xs: list[Any]) -> bool:
 
 
 class _Shape:
-    def __init__(self, case: str, ignore: list[str]) -> None:
-        self.case, self.ignore, self.diffs = case, ignore, []
+    def __init__(self, case: str, ignore: list[str], any_type: list[str] | None = None) -> None:
+        self.case, self.ignore, self.any_type, self.diffs = case, ignore, any_type or [], []
 
     def add(self, path: str, kind: str, expected: Any = None, actual: Any = None) -> None:
         self.diffs.append(Difference(self.case, path, kind, expected, actual))
 
     def compare(self, expected: Any, actual: Any, path: str) -> None:
+        if any(_matches(p, path) for p in self.any_type):
+            return  # present (the caller checked), of any type
         te, ta = json_type(expected), json_type(actual)
         if te != ta:
             self.add(path, "type", te, ta)
@@ -179,10 +185,15 @@ def _media(ct: Any) -> Any:
 
 
 def compare_response(
-    case: str, prefix: str, expected: dict[str, Any], actual: dict[str, Any], ignore: list[str]
+    case: str,
+    prefix: str,
+    expected: dict[str, Any],
+    actual: dict[str, Any],
+    ignore: list[str],
+    any_type: list[str] | None = None,
 ) -> list[Difference]:
     """Shape of one step's answer (`prefix`: the step's name, paths are `<prefix>.response....`)."""
-    s = _Shape(case, ignore)
+    s = _Shape(case, ignore, any_type)
     base = f"{prefix}.response"
     if "error" in expected:  # the recording itself failed: nothing to hold the answer to
         return []
@@ -220,8 +231,9 @@ def _compare_sse(s: _Shape, expected: list[Any], actual: list[Any], path: str) -
     if not act_json:
         s.add(path, "empty", len(exp_json), 0)
         return
+    middle = exp_json[1] if len(exp_json) > 2 else exp_json[0]
     for n, (i, chunk) in enumerate(act_json):
-        ref = exp_json[-1] if n == len(act_json) - 1 else exp_json[0]
+        ref = exp_json[-1] if n == len(act_json) - 1 else exp_json[0] if n == 0 else middle
         s.compare(ref, chunk, f"{path}.{i}")
 
 
@@ -245,6 +257,7 @@ def compare_fixture(recorded: dict[str, Any], actual: dict[str, Any]) -> list[Di
     case = recorded["case"]
     main = recorded.get("main", "main")
     ignore = [_by_step(p, main) for p in recorded.get("shape_ignore", [])]
+    any_type = [_by_step(p, main) for p in recorded.get("any_type", [])]
     diffs: list[Difference] = []
     act_steps = {s["name"]: s for s in actual.get("steps", [])}
     failed = set()
@@ -254,7 +267,7 @@ def compare_fixture(recorded: dict[str, Any], actual: dict[str, Any]) -> list[Di
             diffs.append(Difference(case, name, "step", "ran", "not run"))
             failed.add(name)
             continue
-        diffs.extend(compare_response(case, name, step["response"], act_steps[name]["response"], ignore))
+        diffs.extend(compare_response(case, name, step["response"], act_steps[name]["response"], ignore, any_type))
         if "error" in step["response"]:
             failed.add(name)
     view_rec, view_act = fixture_view(recorded), fixture_view(actual)

@@ -130,6 +130,37 @@ def test_sse_chunks_shape_ignore_required_and_invariants():
     assert compare_fixture(seeded([1, 2], [1, 3]), seeded([3, 4], [3, 5])) == []  # SGLang itself broke it
 
 
+def test_sse_middle_chunks_are_held_to_the_recorded_middle_and_the_first_to_the_first():
+    first = {"text": "a", "meta_info": {"finish_reason": None, "sent_ts": 1.0}}  # SGLang marks the first chunk only
+    middle = {"text": "ab", "meta_info": {"finish_reason": None}}
+    last = {"text": "abc", "meta_info": {"finish_reason": {"type": "length"}, "e2e_latency": 0.1}}
+    step = {"name": "main", "response": {"status": 200, "content_type": "text/event-stream",
+                                         "sse": [first, middle, last, "[DONE]"]}}  # fmt: skip
+    rec = {"case": "s", "main": "main", "steps": [step]}
+    act = copy.deepcopy(rec)
+    act["steps"][0]["response"]["sse"] = [first, middle, middle, middle, last, "[DONE]"]
+    assert compare_fixture(rec, act) == []
+    act["steps"][0]["response"]["sse"] = [middle, first, last, "[DONE]"]  # the mark on the wrong chunk
+    assert _kinds(compare_fixture(rec, act)) == {
+        ("main.response.sse.0.meta_info.sent_ts", "missing"),
+        ("main.response.sse.1.meta_info.sent_ts", "extra"),
+    }
+
+
+def test_any_type_paths_must_be_present_but_may_change_type():
+    rec = _generate_fixture()
+    rec["any_type"] = ["response.json.meta_info.finish_reason"]
+    act = copy.deepcopy(rec)
+    _answer(act)["meta_info"]["finish_reason"] = None  # still running, say: another type, not a difference
+    rec["deterministic"] = ["main.response.status"]
+    assert compare_fixture(rec, act) == []
+    del _answer(act)["meta_info"]["finish_reason"]
+    assert _kinds(compare_fixture(rec, act)) == {("main.response.json.meta_info.finish_reason", "missing")}
+    _answer(act)["meta_info"]["finish_reason"] = {"type": "length", "length": 3}
+    _answer(act)["meta_info"]["e2e_latency"] = "slow"  # paths outside any_type keep their type check
+    assert _kinds(compare_fixture(rec, act)) == {("main.response.json.meta_info.e2e_latency", "type")}
+
+
 def test_a_step_that_errored_is_reported_and_one_recorded_as_failed_is_not_held():
     rec = _generate_fixture()
     act = copy.deepcopy(rec)
