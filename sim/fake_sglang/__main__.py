@@ -53,6 +53,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--served-model-name", default=None)
     p.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="SGLang's flag: honour a request's sampling_seed (without it SGLang ignores the seed and so does the "
+        "fake; python/sglang/srt/sampling/sampling_batch_info.py)",
+    )
+    p.add_argument(
         "--sglang-version",
         default=SGLANG_VERSIONS[-1],
         choices=SGLANG_VERSIONS,
@@ -96,7 +102,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_engine(a: argparse.Namespace) -> Engine:
-    common = {"max_running_requests": a.max_running_requests, "random_seed": a.random_seed}
+    common = {
+        "max_running_requests": a.max_running_requests,
+        "random_seed": a.random_seed,
+        "deterministic": a.enable_deterministic_inference,
+    }
     if a.engine == "hf":
         from sim.fake_sglang.hf_engine import HFEngine
 
@@ -130,6 +140,7 @@ async def serve(a: argparse.Namespace) -> int:
         "max_running_requests": a.max_running_requests,
         "tp_size": a.tp_size,
         "dp_size": 1,
+        "enable_deterministic_inference": a.enable_deterministic_inference,
         "fake_engine": a.engine,
         "disaggregation_mode": a.disaggregation_mode,
         "disaggregation_bootstrap_port": a.disaggregation_bootstrap_port,

@@ -1,4 +1,5 @@
-"""The JSON contract SGLang 0.5.23 checks a `/generate` body against after FastAPI has parsed it.
+"""The JSON contract SGLang 0.5.22+ checks a `/generate` body against after FastAPI has parsed it, and what the
+releases before it fail on instead (`sampling_type_error`).
 
 Why a second check: python/sglang/srt/entrypoints/http_server.py `generate_request` runs `generate_contract_error`
 (python/sglang/srt/entrypoints/api_contract.py) on the raw JSON, which decodes it with the generated schema types of
@@ -173,4 +174,39 @@ def generate_contract_error(body: Any) -> str | None:
                 check(value)
     except ContractError as e:
         return str(e)
+    return None
+
+
+# ---- before the contract (0.5.14-0.5.21) ---------------------------------------------------------------------
+# python/sglang/srt/sampling/sampling_params.py: the keyword arguments SamplingParams takes in 0.5.17 (0.5.19 adds
+# beam_width, 0.5.20 ebnf_full_assistant). tokenizer_manager.py builds it as `SamplingParams(**sampling_params)`.
+_SAMPLING_KWARGS_0517 = frozenset(
+    "max_new_tokens stop stop_token_ids stop_regex temperature top_p top_k min_p frequency_penalty presence_penalty "
+    "repetition_penalty min_new_tokens n json_schema regex ebnf structural_tag ignore_eos skip_special_tokens "
+    "spaces_between_special_tokens no_stop_trim stream_interval logit_bias sampling_seed custom_params stop_strs "
+    "stop_regex_strs stop_str_max_len stop_regex_max_len is_normalized".split()
+)
+# The ones SGLang compares or adds (`__post_init__`, `verify`, the context-length check): another type raises there.
+_NUMERIC = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+            "repetition_penalty", "min_new_tokens", "n")  # fmt: skip
+
+
+def sampling_type_error(body: Any, release: tuple[int, ...] = (0, 5, 17)) -> str | None:
+    """What a release without the JSON contract fails on in `sampling_params` with a TypeError (nothing catches it:
+    500 "Internal Server Error"): a keyword SamplingParams does not take, or a number that is not one. None if the
+    params pass (other type mistakes go on to SGLang's own checks, or through)."""
+    known = set(_SAMPLING_KWARGS_0517)
+    if release >= (0, 5, 19):
+        known.add("beam_width")
+    if release >= (0, 5, 20):
+        known.add("ebnf_full_assistant")
+    params = body.get("sampling_params") if isinstance(body, dict) else None
+    for sp in params if isinstance(params, list) else [params]:
+        if not isinstance(sp, dict):
+            continue
+        for key, value in sp.items():
+            if key not in known:
+                return f"SamplingParams.__init__() got an unexpected keyword argument '{key}'"
+            if key in _NUMERIC and value is not None and not isinstance(value, int | float):
+                return f"'<' not supported between instances of '{type(value).__name__}' and 'int' ({key})"
     return None

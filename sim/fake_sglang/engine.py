@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from sim.fake_sglang.prefix_cache import PrefixCache, max_prefix_len
 from sim.fake_sglang.protocol import (
     BadRequest,
     GenRequest,
@@ -34,6 +35,12 @@ from sim.fake_sglang.weights import Received
 
 # Per scored position: the log-prob of the prompt's next token, and the top-k (logprob, token_id) when asked.
 ScoredPrompt = tuple[list[float], list[list[tuple[float, int]]] | None]
+# One decode step's result for one request: (token_id, logprob), or with the top-k (logprob, token_id) pairs of
+# the distribution it was drawn from as a third element (engines that have logits give it when asked).
+StepResult = tuple[int, float] | tuple[int, float, list[tuple[float, int]]]
+# python/sglang/srt/sampling/sampling_batch_info.py: with --enable-deterministic-inference a request without a
+# sampling_seed is sampled with seed 42.
+DEFAULT_DETERMINISTIC_SEED = 42
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +54,21 @@ class Engine(ABC):
     name = "base"
     model: Any = None  # the torch module of engines that hold weights (weights_checker reads it)
 
-    def __init__(self, *, tokenizer: Any = None, max_running_requests: int = 64, random_seed: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        tokenizer: Any = None,
+        max_running_requests: int = 64,
+        random_seed: int = 0,
+        deterministic: bool = False,
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_running_requests = max(1, max_running_requests)
         self.random_seed = random_seed
+        # SGLang's --enable-deterministic-inference: only then is a request's sampling_seed honoured
+        # (sampling_batch_info.py: `sampling_seed = ... if enable_deterministic else None`).
+        self.deterministic = deterministic
+        self.prefix_cache = PrefixCache()
         self._seed_counter = 0
         self.waiting: deque[GenRequest] = deque()
         self.running: list[GenRequest] = []
@@ -68,8 +86,9 @@ class Engine(ABC):
 
     # ---- engine hooks -------------------------------------------------------------------------------
     @abstractmethod
-    async def step(self, batch: list[GenRequest]) -> list[tuple[int, float]]:
-        """Return one (token_id, logprob) per request in `batch`, in order."""
+    async def step(self, batch: list[GenRequest]) -> list[StepResult]:
+        """Return one (token_id, logprob) per request in `batch`, in order; a request with `top_logprobs_num` may
+        get its top-k as a third element (the scheduler fills in `scripted_top` where none is given)."""
 
     def prepare(self, req: GenRequest) -> None:  # noqa: B027 - optional hook
         """Per-request setup when it is submitted (e.g. pick a scripted completion)."""
@@ -124,20 +143,25 @@ class Engine(ABC):
         lps = [scripted_logprob(t, p) for p, t in enumerate(prompt_ids) if p > start]
         if top_k <= 0:
             return lps, None
+        return lps, [self.scripted_top(p, top_k) for p in range(start + 1, len(prompt_ids))]
+
+    def scripted_top(self, position: int, top_k: int) -> list[tuple[float, int]]:
+        """The top-k of engines without a model: the whole vocabulary ranked by `scripted_logprob(token, position)`."""
         vocab = torch.arange(self.vocab_size())
         if not len(vocab):
             raise BadRequest("top_logprobs_num needs a tokenizer (this engine serves none)")
-        tops = []
-        for p in range(start + 1, len(prompt_ids)):
-            values = -(0.05 + ((31 * vocab + 17 * p) % 97).double() / 100.0)
-            best = torch.topk(values, min(top_k, len(vocab)))  # ties resolve to torch.topk's order
-            tops.append(list(zip(best.values.tolist(), best.indices.tolist(), strict=True)))
-        return lps, tops
+        values = -(0.05 + ((31 * vocab + 17 * position) % 97).double() / 100.0)
+        best = torch.topk(values, min(top_k, len(vocab)))  # ties resolve to torch.topk's order
+        return list(zip(best.values.tolist(), best.indices.tolist(), strict=True))
 
     async def score_input(self, req: GenRequest) -> None:
         """Fill `req.input_logprobs` / `input_top_logprobs` in SGLang's layout: one entry per prompt token from
-        `logprob_start_len` on, the first None (SGLang pads it; the last position's log-prob is the sampling one)."""
+        `logprob_start_len` on, the first None (SGLang pads it; the last position's log-prob is the sampling one);
+        none from the default start (len(prompt))."""
         start = resolve_logprob_start(req.logprob_start_len, len(req.prompt_ids))
+        if start >= len(req.prompt_ids):
+            req.input_logprobs, req.input_top_logprobs = [], ([] if req.top_logprobs_num > 0 else None)
+            return
         temperature = logprob_temperature(req.params.temperature)
         async with self.step_lock:  # the weights must not change under a scoring forward
             lps, tops = await self._score_prompt_async(req.prompt_ids, start, temperature, req.top_logprobs_num)
@@ -168,9 +192,10 @@ class Engine(ABC):
         if item["rid"] in self.requests:
             raise BadRequest(f"Duplicate request ID: {item['rid']}")
         gen = torch.Generator()
-        if params.sampling_seed is not None:
-            gen.manual_seed(int(params.sampling_seed))
-        else:
+        if self.deterministic:
+            seed = params.sampling_seed if params.sampling_seed is not None else DEFAULT_DETERMINISTIC_SEED
+            gen.manual_seed(int(seed))
+        else:  # SGLang without --enable-deterministic-inference samples as if no seed were given
             self._seed_counter += 1
             gen.manual_seed(self.random_seed * 1_000_003 + self._seed_counter)
         return_logprob = item.get("return_logprob", False)
@@ -178,8 +203,6 @@ class Engine(ABC):
         top_k = max(0, int(item.get("top_logprobs_num", 0)))
         if return_logprob:
             resolve_logprob_start(start, len(prompt_ids))  # refuse a start past the prompt before admitting it
-            if top_k and params.max_new_tokens:
-                raise BadRequest("fake_sglang: top_logprobs_num is served for scoring only (max_new_tokens 0)")
         req = GenRequest(
             rid=item["rid"],
             prompt_ids=prompt_ids,
@@ -193,7 +216,8 @@ class Engine(ABC):
         )
         self.prepare(req)
         self.requests[req.rid] = req
-        if params.max_new_tokens == 0:
+        if params.max_new_tokens == 0:  # scoring only: prefilled at once
+            self._admit([req])
             req.finish(finish_length(0))
         else:
             self.waiting.append(req)
@@ -203,14 +227,23 @@ class Engine(ABC):
     def forget(self, req: GenRequest) -> None:
         self.requests.pop(req.rid, None)
 
-    def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "Abort by user") -> int:
-        """Abort by rid (exact, or as a batch prefix `rid_i`) or all; return how many were aborted."""
+    def abort(self, rid: str | None = None, abort_all: bool = False, message: str | None = None) -> int:
+        """Abort by rid (exact, or as a batch prefix `rid_i`) or all; return how many were aborted.
+
+        scheduler.py `abort_request`: a running request finishes with FINISH_ABORT's default message "Aborted"
+        (schedule_batch.py); one still in the waiting queue is dropped there and answered by the tokenizer manager
+        with "Abort in waiting queue" and a shorter meta_info (protocol.build_response)."""
         n = 0
+        waiting = {r.rid for r in self.waiting}
         for r in list(self.requests.values()):
             if r.finished:
                 continue
             if abort_all or r.rid == rid or (rid and r.rid.startswith(f"{rid}_")):
-                r.finish(finish_abort(message))
+                if r.rid in waiting:
+                    r.aborted_waiting = True
+                    r.finish({"type": "abort", "message": message or "Abort in waiting queue"})
+                else:
+                    r.finish(finish_abort(message or "Aborted"))
                 n += 1
         self._drop_finished()
         return n
@@ -231,7 +264,11 @@ class Engine(ABC):
         if mode == "abort":
             self.abort(abort_all=True)
         async with self.step_lock:  # return only once no step is in flight
-            pass
+            if mode == "retract":  # scheduler.py: running requests go back to the waiting queue, counted
+                for r in self.running:
+                    r.num_retractions += 1
+                self.waiting.extendleft(reversed(self.running))
+                self.running = []
 
     def continue_generation(self) -> None:
         self.paused = False
@@ -241,14 +278,20 @@ class Engine(ABC):
     def release(self, tags: list[str] | None) -> None:
         if self.num_unfinished:
             raise BadRequest("release_memory_occupation needs an idle engine (pause or abort first)")
-        self.released_tags |= set(tags or ["kv_cache", "weights", "cuda_graph"])
+        released = set(tags or ["kv_cache", "weights", "cuda_graph"])
+        if "kv_cache" in released:  # weight_updater.py release_memory_occupation flushes the cache with it
+            self.prefix_cache.clear()
+        self.released_tags |= released
 
     def resume(self, tags: list[str] | None) -> None:
         self.released_tags -= set(tags or ["kv_cache", "weights", "cuda_graph"])
 
     def flush_cache(self) -> bool:
-        """SGLang refuses to flush while requests are running or waiting."""
-        return self.num_unfinished == 0
+        """SGLang refuses to flush while requests are running or waiting; a flush empties the prefix cache."""
+        if self.num_unfinished:
+            return False
+        self.prefix_cache.clear()
+        return True
 
     async def stop(self) -> None:
         self._stopping = True
@@ -270,6 +313,16 @@ class Engine(ABC):
         logger.info("%s engine: nothing to load from %s", self.name, model_path)
 
     # ---- scheduler loop -----------------------------------------------------------------------------
+    def _admit(self, reqs: list[GenRequest]) -> None:
+        """A prefill batch (prefix_cache.py): each request matches the cache as it was, then the prompts go in."""
+        fresh = [r for r in reqs if not r.admitted]
+        for r in fresh:
+            limit = max_prefix_len(len(r.prompt_ids), r.return_logprob, r.logprob_start_len)
+            r.cached_tokens = min(self.prefix_cache.match(r.prompt_ids), limit)
+            r.admitted = True
+        for r in fresh:
+            self.prefix_cache.insert(r.prompt_ids)
+
     def _check_finished(self, req: GenRequest) -> None:
         p = req.params
         if len(req.output_ids) >= p.max_new_tokens:
@@ -292,8 +345,11 @@ class Engine(ABC):
             if self.paused:
                 await self._resumed.wait()
                 continue
-            while self.waiting and len(self.running) < self.max_running_requests:
-                self.running.append(self.waiting.popleft())
+            admitted = []
+            while self.waiting and len(self.running) + len(admitted) < self.max_running_requests:
+                admitted.append(self.waiting.popleft())
+            self._admit(admitted)
+            self.running += admitted
             if not self.running:
                 self._wakeup.clear()
                 await self._wakeup.wait()
@@ -308,12 +364,19 @@ class Engine(ABC):
                         r.finish(finish_abort(f"engine error: {e}"))
                     results = []
                 self.steps += 1
-            for req, (tok, lp) in zip(batch, results, strict=False):
+            for req, res in zip(batch, results, strict=False):
                 if req.finished:  # aborted while the step ran
                     continue
-                req.output_ids.append(int(tok))
-                req.output_logprobs.append(float(lp))
+                if req.top_logprobs_num > 0:
+                    top = res[2] if len(res) > 2 else None
+                    position = len(req.prompt_ids) + len(req.output_ids)
+                    req.output_top_logprobs.append(top or self.scripted_top(position, req.top_logprobs_num))
+                req.output_ids.append(int(res[0]))
+                req.output_logprobs.append(float(res[1]))
                 self._check_finished(req)
                 req.changed.set()
+            for req in batch:
+                if req.finished and not req.aborted_waiting:  # cache_finished_req: the tokens whose KV was computed
+                    self.prefix_cache.insert(req.prompt_ids + req.output_ids[:-1])
             self._drop_finished()
             await asyncio.sleep(0)

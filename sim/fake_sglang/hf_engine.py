@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from sim.fake_sglang.engine import Engine, ScoredPrompt
+from sim.fake_sglang.engine import Engine, ScoredPrompt, StepResult
 from sim.fake_sglang.hf_names import checkpoint_named_tensors
 from sim.fake_sglang.protocol import BadRequest, GenRequest
-from sim.fake_sglang.sampling import sample_batch
+from sim.fake_sglang.sampling import logprob_temperature, sample_batch
 from sim.fake_sglang.weights import Received
 
 logger = logging.getLogger(__name__)
@@ -185,12 +185,18 @@ class HFEngine(Engine):
             self._kv = _BatchKV.concat(parts)
         return logits
 
-    def _step_sync(self, batch: list[GenRequest]) -> list[tuple[int, float]]:
+    def _step_sync(self, batch: list[GenRequest]) -> list[StepResult]:
         logits = self._batch_logits(batch)
         params = [(r.params.temperature, r.params.top_p, r.params.top_k, r.params.min_p) for r in batch]
-        return sample_batch(logits, params, [r.generator for r in batch])
+        out: list[StepResult] = list(sample_batch(logits, params, [r.generator for r in batch]))
+        for i, r in enumerate(batch):
+            if r.top_logprobs_num > 0:  # the top-k of the distribution the log-probs are read from (sampling.py)
+                lps = torch.log_softmax(logits[i].float() / logprob_temperature(r.params.temperature), dim=-1)
+                best = torch.topk(lps, min(r.top_logprobs_num, lps.numel()))
+                out[i] = (*out[i], list(zip(best.values.tolist(), best.indices.tolist(), strict=True)))
+        return out
 
-    async def step(self, batch: list[GenRequest]) -> list[tuple[int, float]]:
+    async def step(self, batch: list[GenRequest]) -> list[StepResult]:
         return await asyncio.to_thread(self._step_sync, batch)
 
     @torch.no_grad()

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from sim.fake_sglang.engine import Engine
 from sim.fake_sglang.protocol import BadRequest, new_rid
+from sim.fake_sglang.releases import SGLANG_VERSIONS, chat_drops_empty_tool_calls, chat_has_completion_tokens_details
 from sim.fake_sglang.validation import read_body
 
 # protocol.py ChatCompletionRequest: sampling fields read by the fake, with their OpenAI names
@@ -52,7 +53,9 @@ def chat_to_generate_item(engine: Engine, body: Any) -> dict[str, Any]:
     return {"input_ids": engine.encode(prompt), "rid": f"chatcmpl-{new_rid()}", "sampling_params": params}
 
 
-def register_chat_completions(app: web.Application, engine: Engine, served_model_name: str) -> None:
+def register_chat_completions(
+    app: web.Application, engine: Engine, served_model_name: str, version: str = SGLANG_VERSIONS[-1]
+) -> None:
     async def chat_completions(request: web.Request) -> web.Response:
         body = await read_body(request)
         if isinstance(body, dict):
@@ -71,6 +74,15 @@ def register_chat_completions(app: web.Application, engine: Engine, served_model
         text = engine.output_text(req)
         request["log"]["responses"] = [{"rid": req.rid, "output_ids": req.output_ids, "finish_reason": finish}]
         n_in, n_out = len(req.prompt_ids), len(req.output_ids)
+        message: dict[str, Any] = {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": None}
+        if chat_drops_empty_tool_calls(version):
+            del message["tool_calls"]
+        # protocol.py UsageInfo: prompt_tokens_details only with --enable-cache-report, reasoning_tokens 0 without a
+        # reasoning parser (recorded from 0.5.17); 0.5.23 adds completion_tokens_details (null without reasoning)
+        usage: dict[str, Any] = {"prompt_tokens": n_in, "total_tokens": n_in + n_out, "completion_tokens": n_out,
+                                 "prompt_tokens_details": None, "reasoning_tokens": 0}  # fmt: skip
+        if chat_has_completion_tokens_details(version):
+            usage["completion_tokens_details"] = None
         answer = {
             "id": req.rid,
             "object": "chat.completion",
@@ -79,13 +91,13 @@ def register_chat_completions(app: web.Application, engine: Engine, served_model
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": None},
+                    "message": message,
                     "logprobs": None,
                     "finish_reason": finish.get("type"),
                     "matched_stop": finish.get("matched"),
                 }
             ],
-            "usage": {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out},
+            "usage": usage,
             "metadata": {"weight_version": engine.weight_version},
         }
         return web.json_response(answer)

@@ -1,4 +1,4 @@
-"""SGLang 0.5.23 wire shapes the fake speaks: sampling params, finish reasons, request state, `meta_info`.
+"""SGLang wire shapes the fake speaks (every release of releases.py): sampling params, finish reasons, request state, `meta_info`.
 
 Every field mirrored here names the SGLang source file it comes from: slime is tested against these shapes, so a
 fake that drifts from SGLang's real ones hides the bugs it exists to find.
@@ -131,6 +131,16 @@ class GenRequest:
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    # With top_logprobs_num: the top (logprob, token_id) pairs of the distribution each output token came from.
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    # Prompt tokens found in the prefix cache when admitted (prefix_cache.py) and times retracted (pause retract).
+    cached_tokens: int = 0
+    num_retractions: int = 0
+    admitted: bool = False
+    # Aborted while in the waiting queue: the tokenizer manager answers it itself (a shorter meta_info).
+    aborted_waiting: bool = False
+    # tokenizer_manager.py `_wait_one_response`: when the first answer (chunk) went to the client.
+    response_sent_ts: float | None = None
     finish_reason: dict[str, Any] | None = None
     # Length of output to keep in the text when a stop string matched (SGLang trims text, not output_ids).
     text_cut: int | None = None
@@ -252,43 +262,96 @@ def build_response(
     weight_version: str,
     token_texts: list[str] | None,
     decode: Any = None,
+    *,
+    sending: bool = True,
 ) -> dict[str, Any]:
-    """The `/generate` answer for one request.
+    """The `/generate` answer (or one stream chunk) for one request, in every release the fake speaks.
 
-    python/sglang/srt/managers/tokenizer_manager.py (`_handle_batch_output` / `convert_logprob_style`):
-    `{text, output_ids, meta_info}`; meta_info carries id, finish_reason (None until finished), prompt_tokens,
-    completion_tokens, cached_tokens, weight_version, e2e_latency and, with return_logprob,
-    output_token_logprobs as `[logprob, token_id, text_or_None]` triples. input_token_logprobs cover the prompt
-    from `logprob_start_len` on and start with a None log-prob (scheduler_output_processor_mixin.py
-    `add_input_logprob_return_values` always pads the first one); input_top_logprobs likewise start with None,
-    then hold `top_logprobs_num` triples per position. `decode(token_id)` gives texts with return_text_in_logprobs.
+    python/sglang/srt/managers/tokenizer_manager.py `_handle_batch_output`: `{text, output_ids, meta_info}`;
+    meta_info holds id, finish_reason (null until finished), prompt_tokens, weight_version, num_retractions; with
+    return_logprob (`add_logprob_to_meta_info`) input_token_logprobs and output_token_logprobs as
+    `[logprob, token_id, text_or_None]` triples, output_token_logprobs_length and, with top_logprobs_num,
+    input_top_logprobs / output_top_logprobs; then reasoning_tokens (0: no reasoning parser), completion_tokens,
+    cached_tokens, cached_tokens_details (scheduler_components/output_streamer.py `get_cached_tokens_details`: null
+    when nothing was cached, else `{"device": n, "host": 0}`), dp_rank (null with one data-parallel rank);
+    e2e_latency once finished; and `response_sent_to_client_ts` on the first answer sent for the request
+    (`_wait_one_response`: the first stream chunk, or the one answer of a non-streaming request). `sending`: this
+    answer goes to the client (False for the request log's copy).
+
+    input_token_logprobs cover the prompt from `logprob_start_len` on and start with a None log-prob
+    (scheduler_output_processor_mixin.py `add_input_logprob_return_values` pads the first one); the default start
+    (-1) with return_logprob scores no prompt token (scheduler.py `handle_generate_request`: the start becomes
+    len(prompt)). `decode(token_id)` gives texts with return_text_in_logprobs.
     """
+    if req.aborted_waiting:
+        return _waiting_abort_response(req, text, weight_version, token_texts, decode, sending)
     meta: dict[str, Any] = {
         "id": req.rid,
         "finish_reason": req.finish_reason,
         "prompt_tokens": len(req.prompt_ids),
         "weight_version": weight_version,
-        "total_retractions": 0,
-        "completion_tokens": len(req.output_ids),
-        "cached_tokens": 0,
+        "num_retractions": req.num_retractions,
+    }
+    if req.return_logprob:
+        _add_logprobs(meta, req, token_texts, decode)
+    meta.update(
+        reasoning_tokens=0,
+        completion_tokens=len(req.output_ids),
+        cached_tokens=req.cached_tokens,
+        cached_tokens_details={"device": req.cached_tokens, "host": 0} if req.cached_tokens > 0 else None,
+        dp_rank=None,
+    )
+    if req.finished:
+        meta["e2e_latency"] = (req.finished_at or time.time()) - req.created
+    _mark_sent(req, meta, sending)
+    return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+
+
+def _waiting_abort_response(
+    req: GenRequest, text: str, weight_version: str, token_texts: list[str] | None, decode: Any, sending: bool
+) -> dict[str, Any]:
+    """tokenizer_manager.py `_handle_abort_req`: a request the scheduler dropped from its waiting queue (never
+    admitted, or retracted back there) gets `{id, finish_reason, weight_version, e2e_latency}`, its log-probs so
+    far, `completion_tokens`; a stream's answer carries only the last output id."""
+    meta: dict[str, Any] = {
+        "id": req.rid,
+        "finish_reason": req.finish_reason,
+        "weight_version": weight_version,
         "e2e_latency": (req.finished_at or time.time()) - req.created,
     }
     if req.return_logprob:
-        meta["input_token_logprobs"] = [
-            [lp, tid, decode(tid) if decode else None]
-            for lp, tid in zip(req.input_logprobs or [], _scored_ids(req), strict=True)
+        _add_logprobs(meta, req, token_texts, decode)
+    meta["completion_tokens"] = len(req.output_ids)
+    _mark_sent(req, meta, sending)
+    ids = req.output_ids[-1:] if req.stream else list(req.output_ids)
+    return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+def _mark_sent(req: GenRequest, meta: dict[str, Any], sending: bool) -> None:
+    if sending and req.response_sent_ts is None and (req.stream or req.finished):
+        req.response_sent_ts = time.time()
+        meta["response_sent_to_client_ts"] = req.response_sent_ts
+
+
+def _add_logprobs(meta: dict[str, Any], req: GenRequest, token_texts: list[str] | None, decode: Any) -> None:
+    """tokenizer_manager.py `add_logprob_to_meta_info`."""
+
+    def triple(lp: float | None, tid: int, text: str | None = None) -> list[Any]:
+        return [lp, tid, text if text is not None else (decode(tid) if decode else None)]
+
+    meta["input_token_logprobs"] = [
+        triple(lp, tid) for lp, tid in zip(req.input_logprobs or [], _scored_ids(req), strict=True)
+    ]
+    meta["output_token_logprobs"] = [
+        triple(lp, tid, token_texts[i] if token_texts else None)
+        for i, (lp, tid) in enumerate(zip(req.output_logprobs, req.output_ids, strict=True))
+    ]
+    meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
+    if req.top_logprobs_num > 0:
+        meta["input_top_logprobs"] = [
+            None if top is None else [triple(lp, tid) for lp, tid in top] for top in req.input_top_logprobs or []
         ]
-        meta["output_token_logprobs"] = [
-            [lp, tid, token_texts[i] if token_texts else None]
-            for i, (lp, tid) in enumerate(zip(req.output_logprobs, req.output_ids, strict=True))
-        ]
-        if req.top_logprobs_num > 0:
-            meta["input_top_logprobs"] = [
-                None if top is None else [[lp, tid, decode(tid) if decode else None] for lp, tid in top]
-                for top in req.input_top_logprobs or []
-            ]
-            meta["output_top_logprobs"] = []  # only scoring (max_new_tokens 0) may ask for top log-probs
-    return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+        meta["output_top_logprobs"] = [[triple(lp, tid) for lp, tid in top] for top in req.output_top_logprobs]
 
 
 def _scored_ids(req: GenRequest) -> list[int]:
@@ -296,12 +359,17 @@ def _scored_ids(req: GenRequest) -> list[int]:
 
 
 def resolve_logprob_start(logprob_start_len: int, prompt_len: int) -> int:
-    """scheduler.py handle_generate_request: -1 scores only the last prompt token (len - 1); tokenizer_manager
-    refuses a start at or past the prompt's end (the client's error)."""
+    """Where input log-probs start. scheduler.py `handle_generate_request`: -1 (the default) with return_logprob
+    becomes len(prompt) (no prompt token scored); a start past the prompt's end is refused (an abort with status
+    400, which the tokenizer manager answers as the client's error). A start below -1 SGLang does not check; the
+    fake refuses it."""
     if logprob_start_len == -1:
-        return prompt_len - 1
+        return prompt_len
     if logprob_start_len < -1:
         raise BadRequest(f"logprob_start_len must be -1 or >= 0, got {logprob_start_len}.")
-    if logprob_start_len >= prompt_len:
-        raise BadRequest(f"logprob_start_len ({logprob_start_len}) is larger than the input length ({prompt_len}).")
+    if logprob_start_len > prompt_len:
+        raise BadRequest(
+            f"req.logprob_start_len={logprob_start_len} is higher than the number of input tokens "
+            f"len(req.origin_input_ids)={prompt_len}. Please use a smaller logprob_start_len."
+        )
     return logprob_start_len

@@ -18,13 +18,14 @@ from aiohttp import web
 
 from sim.fake_sglang import validation as v
 from sim.fake_sglang.checker import register_weights_checker
-from sim.fake_sglang.contract import generate_contract_error
+from sim.fake_sglang.contract import generate_contract_error, sampling_type_error
 from sim.fake_sglang.disagg import PDError, PrefillRooms, await_prefill
 from sim.fake_sglang.engine import Engine
+from sim.fake_sglang.info_routes import register_info_routes
 from sim.fake_sglang.multinode import NodeRendezvous
 from sim.fake_sglang.openai_chat import register_chat_completions
 from sim.fake_sglang.protocol import BadRequest, GenRequest, build_response, normalize_generate_body
-from sim.fake_sglang.releases import SGLANG_VERSIONS, has_update_sessions
+from sim.fake_sglang.releases import SGLANG_VERSIONS, has_json_contract, has_update_sessions, release
 from sim.fake_sglang.validation import RequestError, read_body
 from sim.fake_sglang.weight_group import register_weight_group_endpoints
 from sim.fake_sglang.weights import decode
@@ -69,7 +70,7 @@ def _summary(resp: dict[str, Any]) -> dict[str, Any]:
         "output_ids": resp["output_ids"],
         "finish_reason": m["finish_reason"],
         "weight_version": m["weight_version"],
-        "prompt_tokens": m["prompt_tokens"],
+        "prompt_tokens": m.get("prompt_tokens"),  # absent from the answer of a request aborted while waiting
         "completion_tokens": m["completion_tokens"],
     }
 
@@ -95,6 +96,7 @@ def build_app(
     log = RequestLog(request_log)
     version = server_args.pop("sglang_version", None) or SGLANG_VERSIONS[-1]  # not a ServerArgs field
     sessions = has_update_sessions(version)
+    contract = has_json_contract(version)
     state: dict[str, Any] = {
         "server_args": server_args,
         "version": version,
@@ -103,13 +105,14 @@ def build_app(
     }
     mode = server_args.get("disaggregation_mode") or "null"
 
-    def respond(req: GenRequest) -> dict[str, Any]:
+    def respond(req: GenRequest, sending: bool = True) -> dict[str, Any]:
         return build_response(
             req,
             engine.output_text(req),
             engine.weight_version,
             engine.token_texts(req) if req.return_text_in_logprobs else None,
             engine.token_text if req.return_text_in_logprobs else None,
+            sending=sending,
         )
 
     @web.middleware
@@ -172,9 +175,13 @@ def build_app(
         body = await read_body(request)
         request["log"]["body"] = body if isinstance(body, dict) else v.short_repr(body)
         v.GENERATE.validate(body)  # FastAPI's parse of GenerateReqInput
-        contract = generate_contract_error(body)  # then the JSON contract (api_contract.py)
-        if contract is not None:
-            return v.contract_error(contract)
+        if contract:
+            error = generate_contract_error(body)  # then the JSON contract (api_contract.py, 0.5.22+)
+            if error is not None:
+                return v.contract_error(error)
+        elif (error := sampling_type_error(body, release(version))) is not None:  # SamplingParams(**params): TypeError
+            request["log"]["error"] = error
+            return v.internal_server_error()
         is_batch, items = normalize_generate_body(body)  # then tokenizer_manager.py's ValueErrors
         try:
             if mode != "null":
@@ -269,7 +276,7 @@ def build_app(
                 for w in waiters:
                     w.cancel()
         await resp.write(b"data: [DONE]\n\n")
-        request["log"]["responses"] = [_summary(respond(r)) for r in reqs]
+        request["log"]["responses"] = [_summary(respond(r, sending=False)) for r in reqs]
         await resp.write_eof()
         return resp
 
@@ -301,34 +308,6 @@ def build_app(
     async def _wait(r: GenRequest) -> None:
         await r.done.wait()
 
-    async def model_info(request: web.Request) -> web.Response:
-        # http_server.py: model_info (the engine's weight version is read here: 0.5.23 has no /get_weight_version)
-        sa = state["server_args"]
-        return web.json_response(
-            {
-                "model_path": sa.get("model_path"),
-                "tokenizer_path": sa.get("tokenizer_path"),
-                "is_generation": True,
-                "preferred_sampling_params": None,
-                "weight_version": engine.weight_version,
-                "has_image_understanding": False,
-                "has_audio_understanding": False,
-            }
-        )
-
-    async def server_info(request: web.Request) -> web.Response:
-        # http_server.py: get_server_info = server args + scheduler info + internal_states + version.
-        sa = dict(state["server_args"], weight_version=engine.weight_version)
-        internal = {
-            "engine": engine.name,
-            "paused": engine.paused,
-            "released_tags": sorted(engine.released_tags),
-            "num_running_reqs": len(engine.running),
-            "num_waiting_reqs": len(engine.waiting),
-            "decode_steps": engine.steps,
-        }
-        return web.json_response({**sa, "internal_states": [internal], "version": version})
-
     async def abort_request(request: web.Request) -> web.Response:
         # http_server.py: abort_request(AbortReq{rid, abort_all}) -> 200 empty. tokenizer_manager.py
         # `abort_request`: an unknown rid is no error, and an empty rid without abort_all is ignored (it would
@@ -339,15 +318,21 @@ def build_app(
         return web.Response(status=200)
 
     async def flush_cache(request: web.Request) -> web.Response:
-        # http_server.py: flush_cache(timeout: Query(0.0, ge=0.0)) -> 200 text, 400 when requests are running or
-        # waiting. It takes no body.
-        v.non_negative_float_query(request, "timeout", 0.0)
+        # http_server.py: flush_cache(timeout: Query(0.0, ge=0.0)) -> 200, or 400 "Flush cache failed." when requests
+        # are running or waiting; a Starlette Response of text without a media type (no Content-Type). With a
+        # timeout the scheduler waits for idle that long (scheduler_components/flush_wrapper.py). It takes no body.
+        timeout = v.non_negative_float_query(request, "timeout", 0.0)
+        deadline = time.monotonic() + timeout
         ok = engine.flush_cache()
-        return web.Response(
-            text="Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
-            "requests, the operation will not be performed.)\n",
-            status=200 if ok else 400,
-        )
+        while not ok and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+            ok = engine.flush_cache()
+        if ok:
+            text = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
+                    "requests, the operation will not be performed.)\n")  # fmt: skip
+        else:
+            text = "Timed out waiting for idle state." if timeout > 0 else "Flush cache failed.\n"
+        return v.untyped_text(text, status=200 if ok else 400)
 
     async def pause_generation(request: web.Request) -> web.Response:
         # io_struct.py: PauseGenerationReqInput.mode in {abort, retract, in_place}, default abort.
@@ -434,22 +419,17 @@ def build_app(
              "new_version": engine.weight_version}
         )  # fmt: skip
 
-    async def removed_weight_version(request: web.Request) -> web.Response:
-        # http_server.py (0.5.14-0.5.20): the route still exists and answers FastAPI's HTTPException 404
-        detail = "Endpoint '/get_weight_version' or '/weight_version' is deprecated. Please use '/model_info' instead."
-        return web.json_response({"detail": detail}, status=404)
-
     async def release_memory(request: web.Request) -> web.Response:
-        # http_server.py: release_memory_occupation(ReleaseMemoryOccupationReqInput{tags}) -> 200 empty; a failure
-        # is `_create_error_response`.
+        # http_server.py: release_memory_occupation(ReleaseMemoryOccupationReqInput{tags}) returns None, which
+        # FastAPI answers as JSON `null` (recorded from 0.5.17); a failure is `_create_error_response`.
         body = await parsed(request, v.RELEASE_MEMORY)
         engine.release(body["tags"])
-        return web.Response(status=200)
+        return web.json_response(None)
 
     async def resume_memory(request: web.Request) -> web.Response:
         body = await parsed(request, v.RESUME_MEMORY)
         engine.resume(body["tags"])
-        return web.Response(status=200)
+        return web.json_response(None)
 
     app = web.Application(middlewares=[fault_mw, logging_mw, nodes_mw, errors_mw], client_max_size=1 << 30)
     app[ENGINE_KEY] = engine
@@ -459,10 +439,7 @@ def build_app(
     r.add_route("PUT", "/generate", generate)
     r.add_get("/health", health)
     r.add_get("/health_generate", health_generate)
-    for path in ("/get_model_info", "/model_info"):
-        r.add_get(path, model_info)
-    for path in ("/get_server_info", "/server_info"):
-        r.add_get(path, server_info)
+    register_info_routes(app, engine, state)  # /model_info, /server_info, /v1/models, /get_weights_by_name, ...
     r.add_post("/abort_request", abort_request)
     r.add_get("/flush_cache", flush_cache)
     r.add_post("/flush_cache", flush_cache)
@@ -471,9 +448,6 @@ def build_app(
     r.add_post("/update_weights_from_tensor", update_weights_from_tensor)
     r.add_post("/update_weights_from_disk", update_weights_from_disk)
     r.add_post("/update_weight_version", update_weight_version)
-    if not sessions:
-        r.add_get("/get_weight_version", removed_weight_version)
-        r.add_get("/weight_version", removed_weight_version)
     # /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group and the
     # /begin_weight_update … /end_weight_update session (weight_group.py)
     register_weight_group_endpoints(app, engine, state, int(server_args.get("tp_size") or 1), server_args.get("host"))
@@ -488,7 +462,7 @@ def build_app(
         app, engine, skip_list=sessions
     )  # GET/POST /weights_checker (http_server.py: check_weights)
     # POST /v1/chat/completions (serving_chat.py): generative reward models are asked through it
-    register_chat_completions(app, engine, str(server_args.get("served_model_name") or "default"))
+    register_chat_completions(app, engine, str(server_args.get("served_model_name") or "default"), version)
 
     async def on_cleanup(_app: web.Application) -> None:
         log.close()

@@ -97,6 +97,24 @@ def contract_error(message: str) -> web.Response:
     return web.json_response({"error": message}, status=400)
 
 
+def internal_server_error() -> web.Response:
+    """An exception SGLang does not catch: Starlette's ServerErrorMiddleware answers 500 in plain text."""
+    return web.Response(text="Internal Server Error", status=500)
+
+
+class UntypedResponse(web.Response):
+    """Starlette's `Response(content=str)` without a media type sends no Content-Type; aiohttp would add
+    application/octet-stream to a body without one (web_response.py `_prepare_headers`)."""
+
+    async def _prepare_headers(self) -> None:
+        await super()._prepare_headers()
+        self.headers.popall("Content-Type", None)
+
+
+def untyped_text(text: str, status: int = 200) -> web.Response:
+    return UntypedResponse(body=text.encode(), status=status)
+
+
 def route_error(status: int) -> web.Response | None:
     """FastAPI's default answer for an unknown route (404) or method (405); None for other statuses."""
     detail = {404: "Not Found", 405: "Method Not Allowed"}.get(status)
@@ -441,6 +459,15 @@ BEGIN_UPDATE = _req("BeginWeightUpdateReqInput", selector=_SELECTOR)
 END_UPDATE = _req("EndWeightUpdateReqInput")
 RELEASE_MEMORY = _req("ReleaseMemoryOccupationReqInput", tags=_OPT_STR_LIST)
 RESUME_MEMORY = _req("ResumeMemoryOccupationReqInput", tags=_OPT_STR_LIST)
+GET_WEIGHTS_BY_NAME = Model(
+    "GetWeightsByNameReqInput",
+    {
+        "rid": Field(optional(lax_str)),
+        "http_worker_ipc": Field(optional(lax_str)),
+        "name": Field(lax_str, required=True),
+        "truncate_size": Field(lax_int, default=100),
+    },
+)
 CHECK_WEIGHTS = _req(
     "CheckWeightsReqInput",
     action=Field(lax_str, default="checksum"),

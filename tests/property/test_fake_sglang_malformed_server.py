@@ -230,6 +230,9 @@ ENDPOINTS: dict[str, Endpoint] = {
     "/end_weight_update": Endpoint("POST", {}, {}),
     "/release_memory_occupation": Endpoint("POST", {}, {"tags": bad_str_list}),
     "/resume_memory_occupation": Endpoint("POST", {}, {"tags": bad_str_list}),
+    "/get_weights_by_name": Endpoint(
+        "POST", {"name": "model.norm.weight"}, {"name": bad_req_str, "truncate_size": bad_int}
+    ),
     "/weights_checker": Endpoint(
         "POST",
         {},
@@ -259,7 +262,7 @@ ENDPOINTS: dict[str, Endpoint] = {
 BODYLESS = {
     ("GET", "/health"), ("GET", "/health_generate"), ("GET", "/get_model_info"), ("GET", "/model_info"),
     ("GET", "/get_server_info"), ("GET", "/server_info"), ("POST", "/flush_cache"),
-    ("GET", "/flush_cache"),
+    ("GET", "/flush_cache"), ("GET", "/v1/models"),
 }  # fmt: skip
 
 
@@ -375,7 +378,7 @@ def test_every_route_is_driven(fake):
     routes = {(r.method, r.resource.canonical) for r in fake.app.router.routes() if r.method != "HEAD"}
     driven = {(ep.method, path) for path, ep in ENDPOINTS.items()} | BODYLESS
     also = {("PUT", "/generate"), ("GET", "/weights_checker"), ("GET", "/release_memory_occupation")}
-    also |= {("GET", "/resume_memory_occupation")}
+    also |= {("GET", "/resume_memory_occupation"), ("GET", "/get_weights_by_name")}
     assert routes - driven - also == set()
     for method, path in sorted(also):  # the same handlers under another method: one malformed body each
         status, text = fake.call(method, path, b"\x01", JSON_CT)

@@ -78,7 +78,8 @@ def test_synthetic_lengths_follow_seeded_distribution(tmp_path):
         "token_latency_s": {"dist": "fixed", "value": 0.0},
     }
     (tmp_path / "c.json").write_text(json.dumps(cfg))
-    with launch_fake_sglang(["--engine", "synthetic", "--synthetic-config", str(tmp_path / "c.json")]) as s:
+    seeded = ["--enable-deterministic-inference"]  # SGLang ignores sampling_seed without it
+    with launch_fake_sglang(["--engine", "synthetic", "--synthetic-config", str(tmp_path / "c.json"), *seeded]) as s:
         c = httpx.Client(base_url=s.url, timeout=60)
 
         def lens(seed_base):

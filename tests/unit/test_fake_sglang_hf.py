@@ -28,6 +28,7 @@ def ckpt(tmp_path_factory):
 def server(ckpt, tmp_path_factory):
     log = tmp_path_factory.mktemp("fs_hf_log") / "requests.jsonl"
     args = ["--engine", "hf", "--model-path", str(ckpt), "--request-log", str(log), "--random-seed", "5"]
+    args.append("--enable-deterministic-inference")  # the seeded tests below (SGLang ignores seeds without it)
     with launch_fake_sglang(args) as s:
         s.log = log
         with httpx.Client(base_url=s.url, timeout=60) as c:

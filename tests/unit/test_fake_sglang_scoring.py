@@ -83,9 +83,13 @@ def test_input_token_logprobs_equal_an_independent_hf_forward(hf, model, data):
     assert torch.allclose(torch.tensor([lp for lp, _, _ in got[1:]]), want, atol=1e-5, rtol=0)
 
 
-def test_default_start_scores_only_the_last_prompt_token(hf):
+def test_default_start_scores_no_prompt_token(hf):
+    """scheduler.py `handle_generate_request` (every release): return_logprob with the default start (-1) scores
+    the output only — the start becomes len(prompt) (recorded from 0.5.17: `input_token_logprobs: []`)."""
     meta = score(hf, [5, 6, 7, 8])["meta_info"]
-    assert meta["input_token_logprobs"] == [[None, 8, None]]
+    assert meta["input_token_logprobs"] == [] and meta["output_token_logprobs_length"] == 0
+    meta = score(hf, [5, 6, 7, 8], top_logprobs_num=2)["meta_info"]
+    assert meta["input_top_logprobs"] == [] and meta["output_top_logprobs"] == []
 
 
 def test_top_logprobs_and_texts(hf, model, ckpt):
@@ -106,13 +110,35 @@ def test_top_logprobs_and_texts(hf, model, ckpt):
     assert [text for _, _, text in meta["input_token_logprobs"]] == [tok.decode([t]) for t in ids[1:]]
 
 
-def test_scoring_refusals(hf):
-    r = hf.post("/generate", json={"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 3,
-                                   "sampling_params": {"max_new_tokens": 0}})  # fmt: skip
-    assert r.status_code == 400 and "logprob_start_len" in r.json()["error"]["message"]
-    r = hf.post("/generate", json={"input_ids": [1, 2, 3], "return_logprob": True, "top_logprobs_num": 2,
-                                   "sampling_params": {"max_new_tokens": 4}})  # fmt: skip
-    assert r.status_code == 400 and "scoring only" in r.json()["error"]["message"]
+def test_a_start_past_the_prompt_is_refused_and_one_at_its_end_scores_nothing(hf):
+    body = {"input_ids": [1, 2, 3], "return_logprob": True, "sampling_params": {"max_new_tokens": 0}}
+    r = hf.post("/generate", json={**body, "logprob_start_len": 4})
+    assert r.status_code == 400 and "is higher than the number of input tokens" in r.json()["error"]["message"]
+    assert score(hf, [1, 2, 3], logprob_start_len=3)["meta_info"]["input_token_logprobs"] == []
+
+
+def test_top_logprobs_of_generated_tokens(hf, model):
+    """top_logprobs_num with generation: one top-k per output token, from the distribution it was drawn from (its
+    first entry is the greedy token itself; recorded from 0.5.17: `output_top_logprobs`)."""
+    ids = [3, 4, 5, 6]
+    r = hf.post(
+        "/generate",
+        json={
+            "input_ids": ids,
+            "return_logprob": True,
+            "top_logprobs_num": 3,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+        },
+    )
+    meta = r.json()["meta_info"]
+    tops, out = meta["output_top_logprobs"], r.json()["output_ids"]
+    assert len(tops) == len(out) == 4 and all(len(t) == 3 for t in tops)
+    assert [t[0][1] for t in tops] == out
+    assert [t[0][0] for t in tops] == [lp for lp, _, _ in meta["output_token_logprobs"]]
+    with torch.no_grad():
+        want = torch.topk(torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1), 3)
+    assert [t for _, t, _ in tops[0]] == want.indices.tolist()
+    assert torch.allclose(torch.tensor([v for v, _, _ in tops[0]]), want.values, atol=1e-5)
 
 
 def test_batched_scoring_rows_are_independent(hf, model):
@@ -144,10 +170,12 @@ def test_chat_completions_answers_like_sglang(scripted):
     out = r.json()
     assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-")
     choice = out["choices"][0]
-    assert choice["message"] == {"role": "assistant", "content": "score: 0.75", "reasoning_content": None,
-                                 "tool_calls": None}  # fmt: skip
+    # 0.5.22+ drops tool_calls when there are none; 0.5.23 adds completion_tokens_details (openai/protocol.py)
+    assert choice["message"] == {"role": "assistant", "content": "score: 0.75", "reasoning_content": None}
     assert choice["finish_reason"] == "stop"
     assert out["usage"]["total_tokens"] == out["usage"]["prompt_tokens"] + out["usage"]["completion_tokens"]
+    assert out["usage"]["prompt_tokens_details"] is None and out["usage"]["reasoning_tokens"] == 0
+    assert out["usage"]["completion_tokens_details"] is None
     short = scripted.post("/v1/chat/completions", json={**body, "max_tokens": 2}).json()
     assert short["choices"][0]["finish_reason"] == "length" and short["usage"]["completion_tokens"] == 2
     bad = scripted.post("/v1/chat/completions", json={"messages": []})
