@@ -5,7 +5,10 @@ Claude Code runs `git apply` on a heredoc with its `Bash` tool, Codex sends the 
 `apply_patch` call. Which patch it sends is fixed per task (`OUTCOMES`): the known-good patch
 (`solutions/<task>.patch`) for half of the tasks, and for the others a wrong fix, a patch that edits the
 failing tests to pass, or one that deletes the test file (`scripted/<task>.patch`). Only the known-good
-patches score 1: the scorer restores the tests in a fresh sandbox.
+patches score 1: the scorer applies no change to the tests (slime/agent/harness/scoring.py).
+
+`REDTEAM` lists patches that leave the bug in place and pass the tests some other way, one or more per door the
+scorer closes (`scripted/redteam/<name>.patch`, each says its trick in its first line): every one must score 0.
 
     python -m examples.coding_agent.scripted_policy --harness claude-code --out script.json
 """
@@ -34,6 +37,21 @@ OUTCOMES = {
     "flatten-deep": "edit-tests",
     "dedupe-order": "delete-tests",
 }
+
+# (door, patch name, task): the test tree, the runner, the verdict channel, the framework in-process
+REDTEAM = [
+    ("test-tree", "tests-init-monkeypatch", "stack-peek"),
+    ("test-tree", "tests-package-shadow", "roman-four"),
+    ("runner", "runner-unittest-shadow", "slug-dashes"),
+    ("runner", "runner-stdlib-shadow", "wordcount-case"),
+    ("verdict", "verdict-forged-text", "fizzbuzz-15"),
+    ("verdict", "verdict-every-descriptor", "clamp-high"),
+    ("in-process", "inprocess-assert-patch", "roman-four"),
+]
+
+
+def redteam_patch(name: str) -> str:
+    return (HERE / "scripted" / "redteam" / f"{name}.patch").read_text()
 
 
 def expected_reward(instance_id: str) -> float:

@@ -1,7 +1,7 @@
 """Repository-task episodes (slime/agent/harness/repo_task.py) with real Claude Code in `local` sandboxes,
 driven by the coding-agent example's scripted policy behind a `scripted` fake engine, without Ray.
 
-A test-editing patch scores 0 (the fresh sandbox restores the tests) while the known-good one scores 1; a
+A test-editing patch scores 0 (the scorer does not apply its change to the tests) while the known-good one scores 1; a
 harness over its budget is killed (with the tool it left running) and yields an ABORTED placeholder whose
 reason says so; the session is finished either way and no sandbox process or directory outlives the episode.
 """

@@ -3,7 +3,8 @@
 Isolation claims are checked from inside real sandboxes: writes outside the sandbox directory, processes
 outliving a command (setsid, nohup, a timeout), network other than the gateway. Scoring is checked on every
 task of the coding-agent example: the known-good patch scores 1, no patch 0, and the scripted policy's
-wrong / test-editing / test-deleting patches 0 (the fresh sandbox restores the tests). The container
+wrong / test-editing / test-deleting patches 0 (the patch's changes to the tests are not applied); every
+red-team patch (bug left in place, tests passed another way) scores 0, each for its door's reason. The container
 sandbox is checked by the command line it builds: no container runtime daemon runs on these machines.
 """
 
@@ -20,9 +21,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from examples.coding_agent.scripted_policy import OUTCOMES, policy_patch
+from examples.coding_agent.scripted_policy import OUTCOMES, REDTEAM, policy_patch, redteam_patch
 from slime.agent.container_sandbox import INIT_IN_CONTAINER, ContainerSandbox
-from slime.agent.harness.repo_task import RepoTask, parse_unittest, score_patch
+from slime.agent.harness.scoring import RepoTask, excluded_patterns, guarded_roots, score_patch, verdict_of
 from slime.agent.local_sandbox import UID_BASE, UID_SLOTS, LocalSandbox, isolation_mode
 from slime.agent.sandbox import Sandbox, make_sandbox
 from slime.utils.async_utils import run
@@ -223,20 +224,50 @@ def test_every_task_scores_its_known_outcome(iid: str, make_args, tmp_path: Path
         bad = run(score_patch(args, t, policy_patch(iid)))
         assert bad["reward"] == 0.0 and bad["apply_method"] is not None, bad
         assert set(bad["tests_failed"]) & set(t.fail_to_pass), bad
+        assert bool(bad["dropped_files"]) == (OUTCOMES[iid] != "wrong"), bad  # test edits are never applied
         assert set(bad["tests_passed"]) == set(t.pass_to_pass) or OUTCOMES[iid] == "wrong", bad
 
 
-def test_parse_unittest_verbose_output() -> None:
-    out = (
-        "test_a (tests.t.T.test_a) ... ok\ntest_b (tests.t.T.test_b) ... FAIL\n"
-        "test_c (tests.t.T.test_c)\nDocstring line ... ERROR\ntest_d (tests.t.T.test_d) ... skipped 'x'\n"
-    )
-    assert parse_unittest(out) == {
-        "tests.t.T.test_a": True,
-        "tests.t.T.test_b": False,
-        "tests.t.T.test_c": False,
-        "tests.t.T.test_d": False,
-    }
+@pytest.mark.parametrize("door,name,iid", REDTEAM, ids=[n for _, n, _ in REDTEAM])
+def test_redteam_patch_scores_zero(door: str, name: str, iid: str, make_args, tmp_path: Path) -> None:
+    args = make_args(agent_sandbox="local", agent_sandbox_dir=str(tmp_path), agent_eval_timeout=60.0)
+    t = task(iid)
+    got = run(score_patch(args, t, redteam_patch(name)))
+    assert got["reward"] == 0.0 and got["apply_method"] is not None, got
+    assert set(got["tests_failed"]) & set(t.fail_to_pass), got
+    if door == "test-tree":  # its change to the test tree was not applied: the real tests ran and failed
+        assert got["dropped_files"] and got["verdict"] == "ok", got
+    elif door == "runner":  # the standard library's unittest ran the task's tests
+        assert got["verdict"] == "ok" and set(got["tests_passed"]) == set(t.pass_to_pass), got
+    elif door == "verdict":  # what it printed is no verdict, and it exited before one was written
+        assert got["verdict"] == "missing", got
+    else:
+        assert got["verdict"] == "tampered" and got["tests_tampered"], got
+
+
+def test_a_patch_that_reaches_the_tests_past_the_exclusions_scores_zero(make_args, tmp_path: Path) -> None:
+    """`git apply --exclude` looks at a rename's new name only: the guard (git status on the test tree) catches it."""
+    args = make_args(agent_sandbox="local", agent_sandbox_dir=str(tmp_path), agent_eval_timeout=60.0)
+    good = (EXAMPLE / "solutions" / "stack-peek.patch").read_text()
+    rename = "diff --git a/tests/test_stack.py b/moved.py\nsimilarity index 100%\nrename from tests/test_stack.py\nrename to moved.py\n"
+    got = run(score_patch(args, task("stack-peek"), good + rename))
+    assert got["reward"] == 0.0 and got["verdict"] == "tampered", got
+    assert any("tests/test_stack.py" in p for p in got["tests_tampered"]), got
+
+
+def test_test_tree_and_excluded_paths() -> None:
+    assert guarded_roots(["tests/test_a.py", "tests/unit/test_b.py"]) == ["tests"]
+    assert guarded_roots(["pkg/tests/test_a.py", "test_top.py"]) == ["pkg/tests", "test_top.py"]
+    pats = excluded_patterns(["tests/test_a.py"])
+    assert {"tests", "tests/*", "tests.*", "conftest.py", "*/conftest.py"} <= set(pats)
+    assert not {"tests_helper.py", "pkg/mod.py"} & set(pats)
+
+
+def test_verdict_needs_the_nonce() -> None:
+    forged = json.dumps({"nonce": "", "results": {"t": "passed"}})
+    real = json.dumps({"nonce": "n1", "results": {"t": "failed"}})
+    assert verdict_of(f"{forged}\n", "n1") is None
+    assert verdict_of(f"{real}\nnoise\n{forged}\n", "n1") == {"nonce": "n1", "results": {"t": "failed"}}
 
 
 def test_container_command_line(tmp_path: Path) -> None:

@@ -10,27 +10,23 @@ in a sandboxed copy of a task repository, and its patch is scored in a fresh cop
    `--agent-cli-args "--max-turns 30"` for Claude Code);
 3. export the agent's changes as a git patch (harness files left out) and close that sandbox: every
    process of it is killed, its files deleted;
-4. boot a **fresh** sandbox from the same task (no network), apply the patch (`git apply --3way`, then plain
-   `git apply`), restore the task's test files (a patch that edits or deletes tests changes nothing), run
-   the fail-to-pass and pass-to-pass tests: reward 1 iff every one passes;
+4. score the patch in a **fresh** sandbox of the same task (no network): applied without its changes to the
+   test tree and harness files, tests run by slime's own runner, reward 1 iff every fail-to-pass and
+   pass-to-pass test passes (`slime/agent/harness/scoring.py` says how each way around the tests is closed);
 5. finish the gateway session and fan its segments out into samples sharing one group id.
 
 Any failure (boot, harness over its budget, export, scoring) yields one ABORTED placeholder sample whose
 `metadata["abort_reason"]` says why; the session is always finished and both sandboxes always closed.
 
-A task is the sample's metadata: `instance_id`, `repo` (a directory; relative paths are taken from the
-`--prompt-data` file's directory), `fail_to_pass` and `pass_to_pass` (unittest ids), `test_files` (paths the
-scorer restores). The prompt is the sample's prompt (the issue text and what to do).
+A task is the sample's metadata (`slime.agent.harness.scoring.RepoTask`). The prompt is the sample's prompt (the
+issue text and what to do).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -38,6 +34,7 @@ from slime.agent.embedded import get_embedded_gateway
 from slime.agent.harness.claude_code import run_claude
 from slime.agent.harness.cli import Episode, concurrency_limit, trainable
 from slime.agent.harness.codex import run_codex
+from slime.agent.harness.scoring import RepoTask, score_patch
 from slime.agent.sandbox import make_sandbox
 from slime.agent.trajectory import fan_out_sample_segments
 from slime.utils.types import Sample, Status
@@ -45,67 +42,6 @@ from slime.utils.types import Sample, Status
 logger = logging.getLogger(__name__)
 
 RUNNERS = {"claude-code": run_claude, "codex": run_codex}
-# `python -m unittest -v` (3.11+): "test_x (tests.test_m.TestM.test_x) ... ok"
-_RESULT = re.compile(r"^\w+ \(([\w.]+)\)(?:\n.*?)?\s\.\.\.\s(ok|FAIL|ERROR|skipped.*|expected failure)$", re.M)
-
-
-@dataclass
-class RepoTask:
-    instance_id: str
-    repo: Path
-    fail_to_pass: list[str]
-    pass_to_pass: list[str]
-    test_files: list[str]
-
-    @classmethod
-    def from_sample(cls, args: Any, sample: Sample) -> RepoTask:
-        m = sample.metadata
-        repo = Path(m["repo"])
-        if not repo.is_absolute() and args.prompt_data:
-            repo = Path(args.prompt_data).resolve().parent / repo
-        if not repo.is_dir():
-            raise FileNotFoundError(f"task {m.get('instance_id')}: repository {repo} not found")
-        return cls(
-            str(m["instance_id"]), repo, list(m["fail_to_pass"]), list(m["pass_to_pass"]), list(m["test_files"])
-        )
-
-
-def parse_unittest(output: str) -> dict[str, bool]:
-    """Test id -> passed, from `python -m unittest -v` output."""
-    return {tid: verdict == "ok" for tid, verdict in _RESULT.findall(output)}
-
-
-async def score_patch(args: Any, task: RepoTask, patch: str) -> dict[str, Any]:
-    """Apply `patch` to a fresh sandbox of the task, restore its tests, run them. Reward 1.0 iff every
-    fail-to-pass and pass-to-pass test passes."""
-    t0 = time.monotonic()
-    out: dict[str, Any] = {"applied_cleanly": False, "apply_method": None, "tests_passed": [], "tests_failed": []}
-    wanted = task.fail_to_pass + task.pass_to_pass
-    budget = float(args.agent_eval_timeout)
-    async with make_sandbox(args, task.repo, None) as sb:
-        env = {"HOME": str(sb.home)}
-        if patch.strip():
-            for method, cmd in (("3way", ["git", "apply", "--3way", "-"]), ("plain", ["git", "apply", "-"])):
-                run = await sb.exec(cmd, env, budget, stdin=patch.encode())
-                if run.returncode == 0:
-                    out["applied_cleanly"], out["apply_method"] = method == "3way", method
-                    break
-                await sb.exec(["git", "checkout", "-f", sb.base_commit, "--", "."], env, budget)
-        if out["apply_method"] is not None:
-            restore = ["git", "checkout", sb.base_commit, "--", *task.test_files]  # edited or deleted tests
-            run = await sb.exec(restore, env, budget)
-            if run.returncode != 0:
-                raise RuntimeError(f"restoring the tests failed: {run.stderr[-300:]}")
-            run = await sb.exec(["python3", "-m", "unittest", "-v", *wanted], env, budget)
-            results = parse_unittest(run.stderr)
-            out["tests_passed"] = [t for t in wanted if results.get(t)]
-            out["tests_failed"] = [t for t in wanted if not results.get(t)]
-            out["tests_timed_out"] = run.timed_out
-        else:
-            out["tests_failed"] = list(wanted)
-    out["reward"] = float(out["apply_method"] is not None and not out["tests_failed"])
-    out["score_seconds"] = round(time.monotonic() - t0, 3)
-    return out
 
 
 def aborted_sample(sample: Sample, reason: str, meta: dict[str, Any]) -> Sample:
