@@ -70,6 +70,7 @@ def grpo_flags(a: argparse.Namespace, paths: dict[str, Path], checkpoint: Path) 
         "--rollout-temperature", "1.0", "--sglang-max-running-requests", "1024",
         "--eval-prompt-data", "toy", str(paths["eval"]), "--eval-interval", str(a.eval_interval),
         "--n-samples-per-eval-prompt", "4", "--eval-temperature", "1.0", "--eval-fixed-sampling-seed",
+        "--sglang-enable-deterministic-inference",  # SGLang honours the fixed eval seeds only under it
     ]  # fmt: skip
 
 

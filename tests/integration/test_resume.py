@@ -57,6 +57,7 @@ def job_flags(assets: Path, run: Path, ckpt: Path) -> list[str]:
         "--save", str(ckpt), "--save-interval", "1", "--save-hf", str(run / "hf" / "{rollout_id}"),
         "--save-debug-rollout-data", str(run / "dump" / "{rollout_id}.pt"),
         "--sim-request-log-dir", str(run / "requests"), "--metrics-dir", str(run / "metrics"),
+        "--sglang-enable-deterministic-inference",
     ]  # fmt: skip
 
 

@@ -71,6 +71,8 @@ def test_fake_answers_in_the_recorded_shapes(fixture_dir: Path | None, request: 
     args = ["--engine", "hf", "--model-path", str(toy_model), "--random-seed", "0"]
     if version in fake_versions():
         args += ["--sglang-version", version]
+    if "--enable-deterministic-inference" in (index.get("server_argv") or "").split():
+        args.append("--enable-deterministic-inference")  # the recorded server honoured sampling_seed: so must the fake
     recorder = load_recorder()
     replayed = {}
     with launch_fake_sglang(args) as fake:

@@ -87,6 +87,11 @@ def check_rollout_engine(args: Namespace) -> None:
     if args.rollout_engine == "sglang":
         _check_release(args)
     logger.info("rollout engine: %s", why)  # once every check passed: an error stays the console's one line
+    if args.rollout_engine == "sglang" and not getattr(args, "sglang_enable_deterministic_inference", None):
+        logger.info(
+            "SGLang runs without --sglang-enable-deterministic-inference: it ignores sampling_seed, so a resumed run "
+            "regenerates its in-flight prompts with other tokens"
+        )
 
 
 def _check_release(args: Namespace) -> None:

@@ -111,6 +111,8 @@ def _sim_argv(
         argv += ["--device", "cpu"]
     if args.sglang_max_running_requests:  # the one scheduler limit the fake shares with SGLang
         argv += ["--max-running-requests", str(args.sglang_max_running_requests)]
+    if getattr(args, "sglang_enable_deterministic_inference", None):  # only then does SGLang honour sampling_seed
+        argv += ["--enable-deterministic-inference"]
     if num_gpus > 1:
         argv += ["--tp-size", str(num_gpus)]
     if worker_type in ("prefill", "decode"):
