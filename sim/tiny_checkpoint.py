@@ -164,8 +164,11 @@ def build_tiny_checkpoint(
     intermediate_size: int = 128,
     tie_word_embeddings: bool = True,
     extra_corpus: list[str] | None = None,
+    max_position_embeddings: int = 4096,
 ) -> Path:
-    """Build (or reuse) the tiny checkpoint in `out_dir` and return its path.
+    """Build (or reuse) the tiny checkpoint in `out_dir` and return its path. `max_position_embeddings` is the
+    context length SGLang (and the fake, and the agent gateway) serve it with: agent CLIs need more than the
+    default (Claude Code's system prompt alone is ~8k tokens of this tokenizer, Codex's ~20k).
 
     Idempotent so concurrent test workers and repeated quick starts share one build: a stamp file records
     the parameters, and files are built in a sibling temp dir and moved in with the stamp written last.
@@ -184,6 +187,8 @@ def build_tiny_checkpoint(
         tie_word_embeddings=tie_word_embeddings,
         extra_corpus=list(extra_corpus or []),
     )
+    if max_position_embeddings != 4096:  # stamps of default builds stay as they were
+        params["max_position_embeddings"] = max_position_embeddings
     if _is_complete(out, params):
         logger.info("tiny checkpoint already present at %s", out)
         return out
@@ -203,7 +208,7 @@ def build_tiny_checkpoint(
             num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
-            max_position_embeddings=4096,
+            max_position_embeddings=max_position_embeddings,
             tie_word_embeddings=tie_word_embeddings,
             bos_token_id=endoftext,
             eos_token_id=im_end,

@@ -7,7 +7,7 @@ HARNESS="${HARNESS:-claude-code}"
 OUT="${OUT:-/tmp/slime-coding-agent}"
 PY="${PY:-.venv/bin/python}"
 mkdir -p "$OUT"
-"$PY" -c "from sim.tiny_checkpoint import build_tiny_checkpoint as b; b('$OUT/tiny')"
+"$PY" -c "from sim.tiny_checkpoint import build_tiny_checkpoint as b; b('$OUT/tiny', max_position_embeddings=65536)"
 "$PY" -m examples.coding_agent.scripted_policy --harness "$HARNESS" --out "$OUT/script.json"
 PYTHONPATH="$PWD" "$PY" -m slime.cli train \
   --hf-checkpoint "$OUT/tiny" --prompt-data examples/coding_agent/tasks.jsonl --input-key input \

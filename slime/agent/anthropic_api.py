@@ -15,9 +15,9 @@ from typing import Any
 
 from aiohttp import web
 
-from slime.agent.api import TurnResult, TurnRunner, open_sse, request_params, send
-from slime.agent.chains import anthropic_hints
-from slime.agent.messages import BadRequest, anthropic_messages, anthropic_tools
+from slime.agent.api import ApiRequest, TurnResult, TurnRunner, open_sse, request_params, send
+from slime.agent.chains import RequestHints, anthropic_hints
+from slime.agent.messages import anthropic_messages, anthropic_tools
 from slime.agent.session import Session
 
 
@@ -51,24 +51,39 @@ def _message(rid: str, model: str) -> dict[str, Any]:
     }
 
 
-async def messages(gw: TurnRunner, request: web.Request, s: Session, body: dict[str, Any]) -> web.StreamResponse:
-    msgs = anthropic_messages(body)
-    tools = anthropic_tools(body.get("tools"))
-    params = request_params(body, max_tokens="max_tokens", stop="stop_sequences")
-    hints = anthropic_hints(body)
-    model = body.get("model") if isinstance(body.get("model"), str) else gw.model_name
+def messages_request(body: dict[str, Any]) -> ApiRequest:
+    """A messages body as the gateway reads it."""
+    return ApiRequest(
+        "/messages",
+        anthropic_messages(body),
+        anthropic_tools(body.get("tools")),
+        request_params(body, max_tokens="max_tokens", stop="stop_sequences"),
+        anthropic_hints(body),
+        body["model"] if isinstance(body.get("model"), str) else None,
+        bool(body.get("stream")),
+    )
+
+
+def count_tokens_request(body: dict[str, Any]) -> ApiRequest:
+    """A count_tokens body: the messages and tools only (it is never answered by the engine)."""
+    msgs, tools = anthropic_messages(body), anthropic_tools(body.get("tools"))
+    return ApiRequest("/messages/count_tokens", msgs, tools, {}, RequestHints(), None, False)
+
+
+async def messages(gw: TurnRunner, request: web.Request, s: Session, req: ApiRequest) -> web.StreamResponse:
+    model = req.model or gw.model_name
     rid = gw.new_rid(s)
-    if not body.get("stream"):
-        r = await gw.run_turn(s, msgs, tools, params, rid, hints)
-        out = _message(rid, model)
+    if not req.stream:
+        r = await gw.run_turn(s, req, rid)
+        out = _message(r.rid, model)
         out.update(content=_blocks(r), stop_reason=_stop_reason(r))
         out["usage"] = {"input_tokens": r.prompt_tokens, "output_tokens": r.completion_tokens}
-        return web.json_response(out)
+        return web.json_response(out, headers=r.headers())
 
     resp = await open_sse(request)
     await send(resp, {"type": "message_start", "message": _message(rid, model)}, event="message_start")
     await send(resp, {"type": "ping"}, event="ping")
-    r = await gw.run_turn(s, msgs, tools, params, rid, hints)  # an error now goes in-band (the gateway's)
+    r = await gw.run_turn(s, req, rid)  # an error now goes in-band (the gateway's)
 
     async def ev(kind: str, **data: Any) -> None:
         await send(resp, {"type": kind, **data}, event=kind)
@@ -100,11 +115,5 @@ async def messages(gw: TurnRunner, request: web.Request, s: Session, body: dict[
     return resp
 
 
-async def count_tokens(gw: TurnRunner, request: web.Request, s: Session, body: dict[str, Any]) -> web.Response:
-    msgs = anthropic_messages(body)
-    tools = anthropic_tools(body.get("tools"))
-    try:
-        n = gw.count_tokens(msgs, tools)
-    except Exception as e:  # the template rejected the messages
-        raise BadRequest(f"messages: cannot be rendered with the model's chat template: {e}") from e
-    return web.json_response({"input_tokens": n})
+async def count_tokens(gw: TurnRunner, request: web.Request, s: Session, req: ApiRequest) -> web.Response:
+    return web.json_response({"input_tokens": await gw.count_tokens(req)})

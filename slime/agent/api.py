@@ -14,7 +14,7 @@ import json
 import math
 import re
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -29,6 +29,7 @@ from slime.agent.stores import StoreError
 OPENAI, ANTHROPIC, ADMIN = "openai", "anthropic", "admin"
 MAX_JSON_DEPTH = 100  # real clients nest < 20 deep (JSON schemas of tools); the chat template recurses on it
 TOP_K_ALL = 1 << 30  # SGLang's "no top-k"
+ENGINE_MS_HEADER = "X-Slime-Engine-Ms"
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _SSE = web.RequestKey("slime_agent_sse", web.StreamResponse)  # the stream, once the SSE preamble went out
 _ANTHROPIC_KINDS = {
@@ -41,6 +42,32 @@ _ANTHROPIC_KINDS = {
 }
 
 
+class Unavailable(Exception):
+    """A part of the gateway could not serve the request just now (a prepare worker died): retryable, 503."""
+
+    status = 503
+
+
+@dataclass
+class ApiRequest:
+    """One API request as its handler and its turn need it: translated to template messages by the API's
+    `*_request` function, then hashed, rendered and held to the context (`slime.agent.requests.measure`).
+    Small and picklable: it is what a prepare worker sends back (`slime.agent.prepare_pool`)."""
+
+    route: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    params: dict[str, Any]  # the client's sampling knobs, validated
+    hints: RequestHints
+    model: str | None  # the model name the client asked for
+    stream: bool
+    extra: dict[str, Any] = field(default_factory=dict)  # what only its API reads (include_usage, custom tools...)
+    hashes: list[str] = field(default_factory=list)
+    tools_hash: str = ""
+    text: str = ""  # the prompt rendered with the generation prompt
+    ids: list[int] | None = None  # its token ids, when measuring it had to count them
+
+
 @dataclass
 class TurnResult:
     rid: str
@@ -48,6 +75,12 @@ class TurnResult:
     finish_reason: str  # stop | length
     prompt_tokens: int
     completion_tokens: int
+    engine_ms: float = 0.0  # how long the engine call took (0: answered from a recorded turn)
+
+    def headers(self) -> dict[str, str]:
+        """What a JSON answer carries besides its body: the engine's share of the latency, so a client (or a
+        benchmark) can tell the gateway's own time from the engine's."""
+        return {ENGINE_MS_HEADER: f"{self.engine_ms:.3f}"}
 
 
 class TurnRunner(Protocol):
@@ -57,20 +90,12 @@ class TurnRunner(Protocol):
 
     def new_rid(self, s: Session) -> str: ...
 
-    async def run_turn(
-        self,
-        s: Session,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]],
-        client_params: dict[str, Any],
-        rid: str | None = None,
-        hints: RequestHints | None = None,
-    ) -> TurnResult: ...
+    async def run_turn(self, s: Session, req: ApiRequest, rid: str | None = None) -> TurnResult: ...
 
-    def count_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> int: ...
+    async def count_tokens(self, req: ApiRequest) -> int: ...
 
 
-Handler = Callable[[TurnRunner, web.Request, Session, dict[str, Any]], Awaitable[web.StreamResponse]]
+Handler = Callable[[TurnRunner, web.Request, Session, ApiRequest], Awaitable[web.StreamResponse]]
 
 
 # ---- request bodies ------------------------------------------------------------------------------------
@@ -223,7 +248,7 @@ def sampling_defaults(value: Any) -> dict[str, Any]:
 def public_error(e: BaseException) -> tuple[int, str]:
     """(status, message) a client may see for `e`: the errors the gateway raises on purpose say what went
     wrong in words safe to show (never the engine's address, never a credential); anything else is ours."""
-    if isinstance(e, (BadRequest, EngineError, StoreError)):
+    if isinstance(e, (BadRequest, EngineError, StoreError, Unavailable)):
         return e.status, str(e)
     return 500, "internal error of the gateway (details are in its log)"
 

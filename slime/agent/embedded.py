@@ -37,6 +37,9 @@ async def get_embedded_gateway(args: Any) -> Gateway:
                 model_name=args.agent_model_name,
                 default_max_new_tokens=args.rollout_max_response_len,
                 aux_models=[aux] if aux else [],
+                # what the engines were started with; else the router cannot say, and the checkpoint's config
+                # gives what SGLang derives by default
+                context_length=args.sglang_context_length,
             )
             await gw.start(args.agent_gateway_host, args.agent_gateway_port)
             _gateways[loop] = gw

@@ -100,6 +100,22 @@ class EngineClient:
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             raise EngineError("the engine's answer has an unexpected shape", 502, f"{where}: {e!r}") from e
 
+    async def context_length(self, timeout_s: float = 5.0) -> int | None:
+        """The served model's context length, as SGLang lists it (`/v1/models`: `max_model_len`, the
+        tokenizer manager's `model_config.context_len`, python/sglang/srt/entrypoints/http_server.py); None
+        when the engine does not say (not reachable yet, or an older server)."""
+        try:
+            timeout = aiohttp.ClientTimeout(total=timeout_s)
+            async with self._http().get(f"{self.url}/v1/models", timeout=timeout) as resp:
+                if resp.status != 200:
+                    return None
+                cards = (await resp.json(content_type=None)).get("data") or []
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as e:
+            logger.info("engine %s did not say its context length: %r", self.url, e)
+            return None
+        lengths = [c.get("max_model_len") for c in cards if isinstance(c, dict)]
+        return next((int(n) for n in lengths if isinstance(n, int) and n > 0), None)
+
     async def abort(self, rid: str) -> None:
         try:
             async with self._http().post(f"{self.url}/abort_request", json={"rid": rid}) as resp:

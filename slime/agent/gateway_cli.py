@@ -29,6 +29,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--aux-model", action="append", default=[], help="model name served but never trained (repeat)")
     p.add_argument("--request-log", default=None, help="append every API request (credentials masked) to this JSONL")
+    p.add_argument(
+        "--context-length",
+        type=int,
+        default=0,
+        help="prompt limit in tokens (longer prompts get 400); 0: the served model's (the engine's /v1/models, "
+        "else the checkpoint's config)",
+    )
+    p.add_argument(
+        "--prepare-workers",
+        type=int,
+        default=2,
+        help="processes that parse and render large request bodies off the event loop (0: all on the loop)",
+    )
+    p.add_argument(
+        "--body-timeout", type=float, default=60.0, help="seconds to receive a request body before answering 408"
+    )
+    p.add_argument(
+        "--max-session-requests",
+        type=int,
+        default=16,
+        help="requests of one session in flight at once in this process; more get 429",
+    )
     return p
 
 
@@ -49,6 +71,10 @@ async def _serve(a: argparse.Namespace) -> None:
         store=a.store,
         aux_models=a.aux_model,
         request_log=a.request_log,
+        context_length=a.context_length or None,
+        prepare_workers=a.prepare_workers,
+        body_timeout_s=a.body_timeout,
+        max_session_requests=a.max_session_requests,
     )
     url = await gw.start(a.host, a.port)
     stop = asyncio.Event()

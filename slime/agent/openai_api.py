@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from slime.agent.api import TurnResult, TurnRunner, open_sse, request_params, send
+from slime.agent.api import ApiRequest, TurnResult, TurnRunner, open_sse, request_params, send
 from slime.agent.chains import chat_hints, responses_hints
 from slime.agent.messages import openai_chat_messages, openai_chat_tools, responses_messages, responses_tools
 from slime.agent.session import Session
@@ -58,17 +58,30 @@ def _chat_tool_calls(r: TurnResult) -> list[dict[str, Any]]:
     ]
 
 
-async def chat_completions(
-    gw: TurnRunner, request: web.Request, s: Session, body: dict[str, Any]
-) -> web.StreamResponse:
-    messages = openai_chat_messages(body.get("messages"))
-    tools = openai_chat_tools(body.get("tools"))
-    params = request_params(body, max_tokens="max_tokens", stop="stop")
-    hints = chat_hints(body)
-    model = body.get("model") if isinstance(body.get("model"), str) else gw.model_name
+def _model(body: dict[str, Any]) -> str | None:
+    return body["model"] if isinstance(body.get("model"), str) else None
+
+
+def chat_request(body: dict[str, Any]) -> ApiRequest:
+    """A chat-completions body as the gateway reads it."""
+    opts = body.get("stream_options")
+    return ApiRequest(
+        "/chat/completions",
+        openai_chat_messages(body.get("messages")),
+        openai_chat_tools(body.get("tools")),
+        request_params(body, max_tokens="max_tokens", stop="stop"),
+        chat_hints(body),
+        _model(body),
+        bool(body.get("stream")),
+        {"include_usage": bool(opts.get("include_usage")) if isinstance(opts, dict) else False},
+    )
+
+
+async def chat_completions(gw: TurnRunner, request: web.Request, s: Session, req: ApiRequest) -> web.StreamResponse:
+    model = req.model or gw.model_name
     created = int(time.time())
-    if not body.get("stream"):
-        r = await gw.run_turn(s, messages, tools, params, hints=hints)
+    if not req.stream:
+        r = await gw.run_turn(s, req)
         msg: dict[str, Any] = {"role": "assistant", "content": r.parsed.text or None}
         if r.parsed.reasoning:
             msg["reasoning_content"] = r.parsed.reasoning
@@ -82,13 +95,9 @@ async def chat_completions(
                 "model": model,
                 "choices": [{"index": 0, "message": msg, "logprobs": None, "finish_reason": _chat_finish(r)}],
                 "usage": _usage(r),
-            }
+            },
+            headers=r.headers(),
         )
-    include_usage = (
-        bool((body.get("stream_options") or {}).get("include_usage"))
-        if isinstance(body.get("stream_options"), dict)
-        else False
-    )
     resp = await open_sse(request)
     rid = gw.new_rid(s)
     chunk_id = f"chatcmpl-{rid}"
@@ -103,7 +112,7 @@ async def chat_completions(
         }
 
     await send(resp, chunk({"role": "assistant", "content": ""}))
-    r = await gw.run_turn(s, messages, tools, params, rid, hints)  # an error now goes in-band (the gateway's)
+    r = await gw.run_turn(s, req, rid)  # an error now goes in-band (the gateway's)
     if r.parsed.reasoning:
         await send(resp, chunk({"reasoning_content": r.parsed.reasoning}))
     if r.parsed.text:
@@ -120,7 +129,7 @@ async def chat_completions(
             resp, chunk({"tool_calls": [{"index": i, "function": {"arguments": call["function"]["arguments"]}}]})
         )
     await send(resp, chunk({}, _chat_finish(r)))
-    if include_usage:
+    if req.extra["include_usage"]:
         last = chunk({})
         last["choices"] = []
         last["usage"] = _usage(r)
@@ -181,7 +190,7 @@ def _response_items(r: TurnResult, custom: set[str]) -> list[dict[str, Any]]:
     return items
 
 
-def _response_obj(rid: str, model: str, created: int, body: dict[str, Any], status: str) -> dict[str, Any]:
+def _response_obj(rid: str, model: str, created: int, req: ApiRequest, status: str) -> dict[str, Any]:
     return {
         "id": f"resp_{rid}",
         "object": "response",
@@ -191,7 +200,7 @@ def _response_obj(rid: str, model: str, created: int, body: dict[str, Any], stat
         "output": [],
         "error": None,
         "incomplete_details": None,
-        "instructions": body.get("instructions") if isinstance(body.get("instructions"), str) else None,
+        "instructions": req.extra["instructions"],
         "metadata": {},
         "parallel_tool_calls": True,
         "tool_choice": "auto",
@@ -217,17 +226,30 @@ def _finish_response(obj: dict[str, Any], r: TurnResult, items: list[dict[str, A
     return obj
 
 
-async def responses(gw: TurnRunner, request: web.Request, s: Session, body: dict[str, Any]) -> web.StreamResponse:
-    messages = responses_messages(body)
+def responses_request(body: dict[str, Any]) -> ApiRequest:
+    """A Responses body as the gateway reads it."""
     tools, custom = responses_tools(body.get("tools"))
-    params = request_params(body, max_tokens="max_output_tokens", stop="stop")
-    hints = responses_hints(body)
-    model = body.get("model") if isinstance(body.get("model"), str) else gw.model_name
+    instructions = body.get("instructions") if isinstance(body.get("instructions"), str) else None
+    return ApiRequest(
+        "/responses",
+        responses_messages(body),
+        tools,
+        request_params(body, max_tokens="max_output_tokens", stop="stop"),
+        responses_hints(body),
+        _model(body),
+        bool(body.get("stream")),
+        {"custom": sorted(custom), "instructions": instructions},
+    )
+
+
+async def responses(gw: TurnRunner, request: web.Request, s: Session, req: ApiRequest) -> web.StreamResponse:
+    custom = set(req.extra["custom"])
+    model = req.model or gw.model_name
     created = int(time.time())
-    if not body.get("stream"):
-        r = await gw.run_turn(s, messages, tools, params, hints=hints)
-        obj = _response_obj(r.rid, model, created, body, "completed")
-        return web.json_response(_finish_response(obj, r, _response_items(r, custom)))
+    if not req.stream:
+        r = await gw.run_turn(s, req)
+        obj = _response_obj(r.rid, model, created, req, "completed")
+        return web.json_response(_finish_response(obj, r, _response_items(r, custom)), headers=r.headers())
     resp = await open_sse(request)
     seq = 0
 
@@ -237,10 +259,10 @@ async def responses(gw: TurnRunner, request: web.Request, s: Session, body: dict
         seq += 1
 
     rid = gw.new_rid(s)
-    obj = _response_obj(rid, model, created, body, "in_progress")
+    obj = _response_obj(rid, model, created, req, "in_progress")
     await event("response.created", response=obj)
     await event("response.in_progress", response=obj)
-    r = await gw.run_turn(s, messages, tools, params, rid, hints)  # an error now goes in-band (the gateway's)
+    r = await gw.run_turn(s, req, rid)  # an error now goes in-band (the gateway's)
     items = _response_items(r, custom)
     for idx, item in enumerate(items):
         shell = dict(item, status="in_progress")

@@ -8,14 +8,15 @@
 * **wipe**: anything else (history rewritten, e.g. compaction, or a retried request) freezes the chain's turns
   as their own segment and starts the chain again.
 
-Pure apart from the tokenizer: the gateway calls `PromptBuilder.plan` under the session lock.
+Pure apart from the tokenizer: the gateway calls `PromptBuilder.plan` under the session lock, in a thread (the
+tokenizer releases the GIL while it encodes).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from slime.agent.messages import message_hash, tools_hash
+from slime.agent.api import ApiRequest
 from slime.agent.parsing import ParsedOutput
 from slime.agent.session import ChainTurn
 
@@ -51,31 +52,21 @@ class PromptBuilder:
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
 
-    def plan(
-        self,
-        last: ChainTurn | None,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]],
-        hashes: list[str] | None = None,
-    ) -> tuple[str, list[int], list[str], str, str]:
-        """Prompt ids for a request continuing the chain whose newest turn is `last`.
-
-        Returns (action, prompt_ids, hashes, tools_hash, prompt_text); action is new | append |
+    def plan(self, last: ChainTurn | None, req: ApiRequest) -> tuple[str, list[int]]:
+        """Prompt ids for a request (hashed and rendered already: `slime.agent.requests.measure`) continuing
+        the chain whose newest turn is `last`. Returns (action, prompt_ids); action is new | append |
         append_rerendered | wipe (the caller freezes the chain on wipe)."""
-        hashes = hashes if hashes is not None else [message_hash(m) for m in messages]
-        th = tools_hash(tools)
-        full = self.render(messages, tools, gen=True)
-        if last is None:
-            return "new", self.encode(full), hashes, th, full
-        k = len(last.hashes)
-        if th == last.tools_hash and len(hashes) > k and hashes[:k] == last.hashes:
-            ids = self._reuse_tokens(last, messages, tools, full, k)
-            if ids is not None:
-                return "append", ids, hashes, th, full
-            if full.startswith(last.prompt_text):
-                ids = last.record.prompt_ids + self.encode(full[len(last.prompt_text) :])
-                return "append_rerendered", ids, hashes, th, full
-        return "wipe", self.encode(full), hashes, th, full
+        hashes, full = req.hashes, req.text
+        if last is not None:
+            k = len(last.hashes)
+            if req.tools_hash == last.tools_hash and len(hashes) > k and hashes[:k] == last.hashes:
+                ids = self._reuse_tokens(last, req.messages, req.tools, full, k)
+                if ids is not None:
+                    return "append", ids
+                if full.startswith(last.prompt_text):
+                    return "append_rerendered", last.record.prompt_ids + self.encode(full[len(last.prompt_text) :])
+        ids = req.ids if req.ids is not None else self.encode(full)
+        return ("new" if last is None else "wipe"), ids
 
     def _reuse_tokens(
         self, last: ChainTurn, messages: list[dict[str, Any]], tools: list[dict[str, Any]], full: str, k: int

@@ -33,6 +33,7 @@ class ChainTurn:
     tools_hash: str
     prompt_text: str  # the request rendered with the generation prompt (for the re-render path)
     response: dict[str, Any]  # canonical form of what we answered (`slime.agent.prompts.canonical_assistant`)
+    rid: str = ""  # the engine request id: a retried request is answered from this turn under the same ids
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Session:
     # turn log entries loaded in this process (a Redis-backed session loads only what routing needs)
     turns: dict[int, ChainTurn] = field(default_factory=dict, repr=False)
     new_turns: list[int] = field(default_factory=list, repr=False)  # appended since loaded: the store persists them
+    result: list[dict[str, Any]] | None = field(default=None, repr=False)  # set by `SessionStore.remove` only
 
     @property
     def chain(self) -> list[ChainTurn]:
@@ -178,9 +180,10 @@ def turn_to_json(t: ChainTurn) -> dict[str, Any]:
         "tools_hash": t.tools_hash,
         "prompt_text": t.prompt_text,
         "response": t.response,
+        "rid": t.rid,
     }
 
 
 def turn_from_json(d: dict[str, Any]) -> ChainTurn:
     rec = TurnRecord(d["prompt_ids"], d["output_ids"], d["log_probs"], d["finish_reason"])
-    return ChainTurn(rec, d["hashes"], d["tools_hash"], d["prompt_text"], d["response"])
+    return ChainTurn(rec, d["hashes"], d["tools_hash"], d["prompt_text"], d["response"], d.get("rid", ""))

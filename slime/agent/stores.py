@@ -18,21 +18,26 @@ Redis layout (prefix `slime:agent:` by default):
 * `s:{sid}:lock`: the per-session lock, `SET NX PX` with a random token. Critical sections are short (route +
   prompt build, then commit; generation runs unlocked), so the TTL only matters when a process dies holding it.
 * `k:{api_key}` -> sid.
+* `s:{sid}:result`: what `finish` returned (the segments' JSON), written with the turn log's removal in one
+  transaction and kept `result_ttl_s`, so a finish retried after its answer was lost returns it again.
 
 Writes are fenced: the state and new turns are written in one MULTI/EXEC under WATCH of the lock key, after
 checking the token, so a process whose lock expired cannot overwrite a newer state. No Lua (fakeredis runs
 the same code in unit tests without a Lua runtime). Keys expire `session_ttl_s` after the last change;
-finished sessions leave a tombstone for `tombstone_ttl_s` so late requests get 409.
+finished sessions leave a tombstone for `tombstone_ttl_s` so late requests get 409. Redis being unreachable
+(restarting, loading its data back) is a `StoreError`: the client gets 503 and retries.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import re
 import secrets
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
@@ -68,8 +73,13 @@ class SessionStore(Protocol):
         """Load every turn record into `session.turns` (to build segments)."""
         ...
 
-    async def remove(self, session_id: str) -> None:
-        """Drop the session's data; keep a tombstone so late requests get 409."""
+    async def remove(self, session_id: str, result: list[dict[str, Any]]) -> None:
+        """Drop the session's data and keep `result` (what finish returned) for a while; keep a tombstone so
+        late requests get 409."""
+        ...
+
+    async def result(self, session_id: str) -> list[dict[str, Any]] | None:
+        """What `remove` kept, while it is kept."""
         ...
 
     async def close(self) -> None: ...
@@ -87,12 +97,16 @@ def id_shaped(value: str) -> bool:
 
 
 class InMemorySessionStore:
-    """Sessions of one gateway process. Finished sessions stay as tombstones so late requests get 409."""
+    """Sessions of one gateway process. Finished sessions stay as tombstones so late requests get 409; what
+    their finish returned is kept `result_ttl_s`."""
 
-    def __init__(self) -> None:
+    def __init__(self, result_ttl_s: float = 600.0) -> None:
         self._by_id: dict[str, Session] = {}
         self._by_key: dict[str, str] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self.result_ttl_s = result_ttl_s
+        self._results: dict[str, list[dict[str, Any]]] = {}
+        self._expiry: collections.deque[tuple[float, str]] = collections.deque()
 
     async def create(
         self, *, sampling_defaults: dict[str, Any], max_context_tokens: int, metadata: dict[str, Any]
@@ -123,13 +137,33 @@ class InMemorySessionStore:
     async def load_turns(self, session: Session) -> None:
         return None  # everything is in memory already
 
-    async def remove(self, session_id: str) -> None:
+    async def remove(self, session_id: str, result: list[dict[str, Any]]) -> None:
         s = self._by_id.get(session_id)
         if s is not None:  # drop the data, keep the tombstone
             s.chains, s.frozen, s.pending, s.turns = {}, [], {}, {}
+            now = time.monotonic()
+            self._results[session_id] = result
+            self._expiry.append((now + self.result_ttl_s, session_id))
+            while self._expiry and self._expiry[0][0] < now:
+                self._results.pop(self._expiry.popleft()[1], None)
+
+    async def result(self, session_id: str) -> list[dict[str, Any]] | None:
+        return self._results.get(session_id)
 
     async def close(self) -> None:
         return None
+
+
+@contextlib.contextmanager
+def _reachable() -> Iterator[None]:
+    """Redis down, restarting or still loading its data: a StoreError (503, the client retries), not a 500."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    try:
+        yield
+    except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+        raise StoreError(f"the session store is unavailable ({type(e).__name__})") from e
 
 
 def open_store(url: str | None) -> SessionStore:
@@ -154,6 +188,7 @@ class RedisSessionStore:
         lock_timeout_s: float = 60.0,
         session_ttl_s: int = 24 * 3600,
         tombstone_ttl_s: int = 3600,
+        result_ttl_s: int = 600,
     ) -> None:
         if client is None:
             import redis.asyncio as aioredis
@@ -167,6 +202,7 @@ class RedisSessionStore:
         self.lock_timeout_s = lock_timeout_s
         self.session_ttl_s = session_ttl_s
         self.tombstone_ttl_s = tombstone_ttl_s
+        self.result_ttl_s = result_ttl_s
 
     def _k(self, sid: str, part: str = "") -> str:
         return f"{self.prefix}s:{sid}{part}"
@@ -187,15 +223,17 @@ class RedisSessionStore:
             "metadata": s.metadata,
             "created": s.created,
         }
-        async with self.r.pipeline(transaction=True) as pipe:
-            pipe.hset(self._k(sid), mapping={"meta": json.dumps(meta), "state": json.dumps(state_to_json(s))})
-            pipe.expire(self._k(sid), self.session_ttl_s)
-            pipe.set(self._key_index(key), sid, ex=self.session_ttl_s)
-            await pipe.execute()
+        with _reachable():
+            async with self.r.pipeline(transaction=True) as pipe:
+                pipe.hset(self._k(sid), mapping={"meta": json.dumps(meta), "state": json.dumps(state_to_json(s))})
+                pipe.expire(self._k(sid), self.session_ttl_s)
+                pipe.set(self._key_index(key), sid, ex=self.session_ttl_s)
+                await pipe.execute()
         return s
 
     async def get(self, session_id: str) -> Session | None:
-        meta, state = await self.r.hmget(self._k(session_id), ["meta", "state"])
+        with _reachable():
+            meta, state = await self.r.hmget(self._k(session_id), ["meta", "state"])
         if meta is None or state is None:
             return None
         m = json.loads(meta)
@@ -211,42 +249,48 @@ class RedisSessionStore:
         return s
 
     async def by_api_key(self, api_key: str) -> Session | None:
-        sid = await self.r.get(self._key_index(api_key))
+        with _reachable():
+            sid = await self.r.get(self._key_index(api_key))
         return await self.get(sid) if sid is not None else None
 
     @contextlib.asynccontextmanager
     async def locked(self, session_id: str) -> AsyncIterator[Session]:
-        token = await self._acquire(session_id)
+        with _reachable():
+            token = await self._acquire(session_id)
         done = False
         try:
             s = await self.get(session_id)
             if s is None:
                 raise KeyError(session_id)
-            await self._load_newest_turns(s)
+            with _reachable():
+                await self._load_newest_turns(s)
             yield s
-            await self._commit(s, token)
+            with _reachable():
+                await self._commit(s, token)
             done = True
         finally:
             if not done:
-                await self._release(session_id, token)
+                with contextlib.suppress(StoreError), _reachable():  # unreleased, the lock expires by itself
+                    await self._release(session_id, token)
 
     async def load_turns(self, session: Session) -> None:
-        raw = await self.r.lrange(self._k(session.session_id, ":turns"), 0, -1)
+        with _reachable():
+            raw = await self.r.lrange(self._k(session.session_id, ":turns"), 0, -1)
         if len(raw) != session.num_turns:
             raise StoreError(f"session {session.session_id}: {len(raw)} turn records, state says {session.num_turns}")
         session.turns = {i: turn_from_json(json.loads(x)) for i, x in enumerate(raw)}
 
-    async def remove(self, session_id: str) -> None:
-        """Drop the chains and turn log; the flags stay as a short-lived tombstone (late requests get 409)."""
-        token = await self._acquire(session_id)
-        try:
-            s = await self.get(session_id)
-            if s is None:
-                return
+    async def remove(self, session_id: str, result: list[dict[str, Any]]) -> None:
+        """Drop the chains and turn log and keep `result`, in one transaction; the flags stay as a
+        short-lived tombstone (late requests get 409)."""
+        async with self.locked(session_id) as s:
             s.chains, s.frozen, s.pending, s.inflight = {}, [], {}, []
-            await self._commit(s, token, drop_turns=True)
-        finally:
-            await self._release(session_id, token)
+            s.result = result
+
+    async def result(self, session_id: str) -> list[dict[str, Any]] | None:
+        with _reachable():
+            raw = await self.r.get(self._k(session_id, ":result"))
+        return json.loads(raw) if raw is not None else None
 
     async def close(self) -> None:
         await self.r.aclose()
@@ -276,11 +320,13 @@ class RedisSessionStore:
                     pipe.delete(lock)
                     await pipe.execute()
 
-    async def _commit(self, s: Session, token: str, drop_turns: bool = False) -> None:
-        """State + new turns + unlock in one transaction, only while we still hold the lock."""
+    async def _commit(self, s: Session, token: str) -> None:
+        """State + new turns (or, once finished, the result in place of the turn log) + unlock in one
+        transaction, only while we still hold the lock."""
         from redis.exceptions import WatchError
 
         lock, turns = self._k(s.session_id, ":lock"), self._k(s.session_id, ":turns")
+        drop_turns = s.result is not None
         ttl = self.tombstone_ttl_s if drop_turns else self.session_ttl_s
         try:
             async with self.r.pipeline(transaction=True) as pipe:
@@ -291,6 +337,7 @@ class RedisSessionStore:
                 pipe.hset(self._k(s.session_id), "state", json.dumps(state_to_json(s)))
                 if drop_turns:
                     pipe.delete(turns)
+                    pipe.set(self._k(s.session_id, ":result"), json.dumps(s.result), ex=self.result_ttl_s)
                 elif s.new_turns:
                     pipe.rpush(turns, *(json.dumps(turn_to_json(s.turns[i])) for i in s.new_turns))
                     pipe.expire(turns, ttl)

@@ -43,7 +43,7 @@ def test_debug_rollout_only_with_cli_harness(harness: str, tmp_path: Path) -> No
     require_cli(cli)
     from sim.tiny_checkpoint import build_tiny_checkpoint
 
-    ckpt = build_tiny_checkpoint(tmp_path / "tiny")
+    ckpt = build_tiny_checkpoint(tmp_path / "tiny", max_position_embeddings=65536)  # the CLIs' prompts fit
     (tmp_path / "script.json").write_text(json.dumps(SCRIPT))
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"input": prompt.format(i=i), "metadata": metadata}) + "\n" for i in range(2)))

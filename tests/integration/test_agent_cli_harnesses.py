@@ -126,7 +126,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     from sim.tiny_checkpoint import build_tiny_checkpoint
 
     d = tmp_path_factory.mktemp("agent_cli")
-    ckpt = build_tiny_checkpoint(d / "tiny")
+    ckpt = build_tiny_checkpoint(d / "tiny", max_position_embeddings=65536)  # the CLIs' prompts fit
     (d / "script.json").write_text(json.dumps(SCRIPT))
     log = d / "engine.jsonl"
     args = ["--engine", "scripted", "--script", str(d / "script.json"), "--model-path", str(ckpt)]

@@ -18,6 +18,7 @@ from sim.fake_sglang.testing import launch_fake_sglang
 from slime.agent.gateway import Gateway
 from slime.agent.harness.cli import trainable
 from slime.agent.stores import RedisSessionStore
+from slime.agent.trajectory import segment_to_json
 from slime.utils.async_utils import run
 
 # GPU hosts run `pytest -m gpu tests` without the agent extras: skip this module there, do not fail collection
@@ -148,7 +149,8 @@ def test_subagent_and_auxiliary_chains_across_two_gateways(gateways) -> None:
     assert sum(segs[1].loss_mask) == 0 and sum(segs[0].loss_mask) > 0 and sum(segs[2].loss_mask) > 0
     kept, n_aux = trainable(segs)
     assert n_aux == 1 and [g.metadata["segment_kind"] for g in kept] == ["subagent", "final"]
-    assert run(a.finish_session(sess["session_id"])) == []  # idempotent on either process
+    again = run(a.finish_session(sess["session_id"]))  # a retried finish, on either process: the same segments
+    assert [segment_to_json(g) for g in again] == [segment_to_json(g) for g in segs]
 
 
 def test_finish_aborts_a_turn_in_flight_on_the_other_process(gateways, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -334,7 +334,8 @@ def test_admin_api_and_session_lifecycle(stack: Stack) -> None:
             headers={"x-api-key": sess["api_key"]},
         )
         assert again.status_code == 409
-        assert c.post(f"/admin/sessions/{sess['session_id']}/finish", headers=admin).status_code == 409
+        retried = c.post(f"/admin/sessions/{sess['session_id']}/finish", headers=admin)  # its answer was lost
+        assert retried.status_code == 200 and retried.json() == done
         assert c.head("/").status_code == 200 and c.get("/v1/models").json()["data"][0]["id"] == "slime-policy"
 
 

@@ -33,7 +33,7 @@ def train(
 ) -> Path:
     from sim.tiny_checkpoint import build_tiny_checkpoint
 
-    ckpt = build_tiny_checkpoint(tmp_path / "tiny")
+    ckpt = build_tiny_checkpoint(tmp_path / "tiny", max_position_embeddings=65536)  # the CLIs' prompts fit
     (tmp_path / "script.json").write_text(json.dumps(build_script(harness)))
     metrics = tmp_path / "run"
     argv = [

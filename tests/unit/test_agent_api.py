@@ -19,7 +19,7 @@ from slime.agent.api import (
     sampling_defaults,
 )
 from slime.agent.engine_client import EngineError, redact_hosts
-from slime.agent.gateway import api_of, masked, same_secret
+from slime.agent.gateway_http import api_of, masked, same_secret
 from slime.agent.messages import BadRequest
 from slime.agent.stores import StoreError, id_shaped, new_credentials
 

@@ -133,15 +133,51 @@ def test_remove_leaves_a_tombstone() -> None:
         async with a.locked(s.session_id) as st:
             st.add_turn(MAIN, turn(0))
             st.finished = st.sealed = True
-        await b.remove(s.session_id)
+        await b.remove(s.session_id, [{"tokens": [1]}])
         tomb = await a.by_api_key(s.api_key)
         assert tomb.finished and tomb.sealed and tomb.chains == {} and tomb.num_turns == 1
         assert await a.r.exists(a._k(s.session_id, ":turns")) == 0
+        assert await a.result(s.session_id) == [{"tokens": [1]}]  # what finish returned, for a retried finish
+        assert 0 < await a.r.ttl(a._k(s.session_id, ":result")) <= a.result_ttl_s
         assert 0 < await a.r.ttl(a._k(s.session_id)) <= a.tombstone_ttl_s
         state = json.loads(await a.r.hget(a._k(s.session_id), "state"))
         assert state["inflight"] == [] and state["pending"] == {}
         await a.close()
         await b.close()
+
+    run(main())
+
+
+def test_unreachable_redis_is_a_store_error() -> None:
+    """A restarting Redis must reach clients as 503 (retryable), never as the gateway's own 500."""
+    server = fakeredis.FakeServer()
+    store = RedisSessionStore(client=fakeredis.FakeAsyncRedis(server=server, decode_responses=True))
+
+    async def main() -> None:
+        s = await store.create(sampling_defaults={}, max_context_tokens=0, metadata={})
+        server.connected = False
+        for call in (store.get(s.session_id), store.by_api_key(s.api_key), store.result(s.session_id)):
+            with pytest.raises(StoreError, match="unavailable"):
+                await call
+        with pytest.raises(StoreError, match="unavailable"):
+            async with store.locked(s.session_id):
+                pass
+        server.connected = True
+        assert (await store.get(s.session_id)).session_id == s.session_id
+        await store.close()
+
+    run(main())
+
+
+def test_memory_store_keeps_results_for_a_while() -> None:
+    async def main() -> None:
+        store = InMemorySessionStore(result_ttl_s=0.0)
+        a = await store.create(sampling_defaults={}, max_context_tokens=0, metadata={})
+        await store.remove(a.session_id, [{"tokens": [1]}])
+        assert await store.result(a.session_id) == [{"tokens": [1]}]
+        b = await store.create(sampling_defaults={}, max_context_tokens=0, metadata={})
+        await store.remove(b.session_id, [])  # expires what is older than its TTL
+        assert await store.result(a.session_id) is None and await store.result(b.session_id) == []
 
     run(main())
 

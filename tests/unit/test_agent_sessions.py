@@ -7,8 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from slime.agent.api import ApiRequest
+from slime.agent.chains import RequestHints
+from slime.agent.context_limit import ContextLimit
 from slime.agent.parsing import parse_model_output
 from slime.agent.prompts import PromptBuilder, canonical_assistant, parsed_to_message
+from slime.agent.requests import measure
 from slime.agent.session import MAIN, ChainTurn, Session
 from slime.agent.trajectory import TurnRecord
 
@@ -29,13 +33,17 @@ def builder(tmp_path_factory: pytest.TempPathFactory) -> PromptBuilder:
 
 
 def _turn(b: PromptBuilder, s: Session, messages: list, completion: str) -> tuple[str, list[int]]:
-    action, ids, hashes, th, text = b.plan(s.last_turn(MAIN), messages, TOOLS)
+    req = ApiRequest("/chat/completions", messages, TOOLS, {}, RequestHints(), None, False)
+    req = measure(req, b, ContextLimit(1 << 20, None), count=False)
+    action, ids = b.plan(s.last_turn(MAIN), req)
     if action == "wipe":
         s.freeze(MAIN, "wipe")
     out = b.encode(completion) + [b.eos_id]
     parsed = parse_model_output(completion, ["f"])
     rec = TurnRecord(ids, out, [-0.1] * len(out))
-    s.add_turn(MAIN, ChainTurn(rec, hashes, th, text, canonical_assistant(parsed_to_message(parsed))))
+    s.add_turn(
+        MAIN, ChainTurn(rec, req.hashes, req.tools_hash, req.text, canonical_assistant(parsed_to_message(parsed)))
+    )
     return action, ids
 
 
