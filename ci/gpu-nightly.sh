@@ -28,6 +28,7 @@ model=${NIGHTLY_MODEL:-1.8B}
 
 if [ -n "${SLIME_GPU_SITE:-}" ]; then
   export PYTHONPATH="$SLIME_GPU_SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  python3 scripts/register_plugins.py "$SLIME_GPU_SITE" >/dev/null  # the simulator's entry points, uninstalled
 else
   [ -f .offline-sglang/install.sh ] && bash .offline-sglang/install.sh  # SGLang's own site, for its servers only
   for pack in .offline-core .offline-router; do

@@ -130,6 +130,8 @@ for _a in "$_dir"/*.tar.xz; do
   fi
 done
 [ -d "$_site/ray/core" ] && find "$_site/ray/core" -type f ! -perm -u+x -exec chmod +x {} +
+# the repository runs from PYTHONPATH here, uninstalled: its entry points (the simulator's plugins) need metadata
+[ -f "$PWD/scripts/register_plugins.py" ] && python3 "$PWD/scripts/register_plugins.py" "$_site" >/dev/null
 export PYTHONPATH=$_site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled
 unset _dir _site _w _a _stamp

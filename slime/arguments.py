@@ -97,13 +97,16 @@ def _add_debug_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser(add_custom_arguments: Callable[[argparse.ArgumentParser], None] | None = None) -> _Parser:
-    """The full parser; `add_custom_arguments` runs first so user flags may pre-empt slime names (as in slime)."""
+def build_parser(
+    add_custom_arguments: Callable[[argparse.ArgumentParser], None] | None = None, argv: Sequence[str] | None = None
+) -> _Parser:
+    """The full parser; `add_custom_arguments` runs first so user flags may pre-empt slime names (as in slime).
+    `argv`: the command line to be parsed, read for an import-path `--rollout-engine` plugin's own flags."""
     p = _Parser(prog="slime train", allow_abbrev=False, description="RL post-training with Megatron-core + SGLang")
     if add_custom_arguments is not None:
         add_custom_arguments(p)
     add_cluster_arguments(p)
-    add_rollout_engine_arguments(p)
+    add_rollout_engine_arguments(p, None if argv is None else list(argv))
     rollout_flags.add_rollout_arguments(p)
     add_batching_arguments(p)
     add_async_arguments(p)
@@ -158,7 +161,7 @@ def parse_args(
     argv: Sequence[str] | None = None,
     add_custom_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
 ) -> argparse.Namespace:
-    parser = build_parser(add_custom_arguments)
+    parser = build_parser(add_custom_arguments, argv)
     args, unknown = parser.parse_known_args(argv)
     reject_unknown(parser, unknown)
     if args.custom_config_path:

@@ -1,7 +1,7 @@
 """The `ParallelState` protocol: every loss, metric and schedule reduction is written against it.
 
-Real runs implement it over megatron-core's `parallel_state` + `torch.distributed`; `sim/fake_megatron`
-implements it with N simulated ranks in one process so property tests can run 64 ranks on a laptop.
+Real runs implement it over megatron-core's `parallel_state` + `torch.distributed`; the simulator's fake
+Megatron implements it with N simulated ranks in one process so property tests can run 64 ranks on a laptop.
 Code that reduces takes a `ParallelState` argument, never a module-level global.
 """
 

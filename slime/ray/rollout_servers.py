@@ -20,6 +20,7 @@ from typing import Any
 
 import ray
 
+from slime.backends.sglang import server_plugins
 from slime.backends.sglang.client import SGLangClient
 from slime.backends.sglang.deployment import DeploymentPlan, EnginePlan, build_plan
 from slime.backends.sglang.engine import SGLangEngine
@@ -63,14 +64,16 @@ class ExternalEngine:
     alive: bool = True
 
 
-def _engine_args(args: Namespace, sim: dict[str, Any]) -> Namespace:
-    """The args an engine actor sees: the model's `sim:` block picks its fake engine (--rollout-engine sim)."""
-    if not sim:
+def _engine_args(args: Namespace, blocks: dict[str, dict[str, Any]]) -> Namespace:
+    """The args an engine actor sees: the model's block for the server plugin that serves the run, if any, sets that
+    plugin's flags for this model's engines (`ModelConfig.plugin_blocks`)."""
+    block = blocks.get(args.rollout_engine)
+    if not block:
         return args
+    plugin = server_plugins.plugin(args.rollout_engine)
     a = copy.copy(args)
-    a.sim_engine = sim.get("engine", args.sim_engine)
-    a.sim_script = sim.get("script", args.sim_script)
-    a.sim_synthetic_config = sim.get("synthetic_config", args.sim_synthetic_config)
+    for key, value in block.items():
+        setattr(a, plugin.model_keys[key], value)
     return a
 
 
@@ -156,7 +159,7 @@ class RolloutServers:
                 cls.options(
                     num_gpus=ENGINE_GPU, num_cpus=ENGINE_CPU, scheduling_strategy=self.placement.strategy(first)
                 ).remote(
-                    _engine_args(self.args, self.config.model(e.model).sim),
+                    _engine_args(self.args, self.config.model(e.model).plugin_blocks),
                     e.rank,
                     base_gpu_id=self.placement.gpu_ids[first],
                     num_gpus=e.num_gpus,

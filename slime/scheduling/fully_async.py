@@ -2,7 +2,7 @@
 consumes `rollout_batch_size` groups per step through a staleness filter.
 
 Pure asyncio. What generates a group is injected (`GroupGenerator`), so the same code runs against SGLang
-engines on the RolloutManager's event loop and against simulated engines on a virtual clock (`sim/scheduling`).
+engines on the RolloutManager's event loop and against simulated engines on a virtual clock (the scheduling simulator).
 
 The life of a group:
 

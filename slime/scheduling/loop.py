@@ -1,7 +1,7 @@
 """The one loop: the order of a training run's events in every schedule, written once against `LoopBackend`.
 
 Every run goes through it. The Ray run (`slime/ray/loop_backend.py`) and the scheduling simulator
-(`sim/scheduling/run.py`) are two backends of the same events, so the order the simulator measures is the order a
+(the scheduling simulator) are two backends of the same events, so the order the simulator measures is the order a
 real run follows. Per rollout id r, in every schedule:
 
     eval (when due) → the batch → release the engines (colocated) → train → save, save_hf (when due)

@@ -44,7 +44,7 @@ def test_auto_picks_the_simulated_servers_only_without_cuda(monkeypatch, caplog)
     args = default_args(rollout_engine="auto", rollout_num_gpus=1)
     with caplog.at_level(logging.INFO, logger=engine_choice.__name__):
         check_rollout_engine(args)
-    assert args.rollout_engine == "sim" and "rollout engine: simulated servers" in caplog.text
+    assert args.rollout_engine == "sim" and "rollout engine: sim servers" in caplog.text
     assert "this machine has no CUDA" in caplog.text
 
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import ast
+import inspect
 from pathlib import Path
 
 import pytest
 
 import slime
 from slime.arguments import build_parser, parse_args, unsupported_flags
+from slime.backends.sglang import server_plugins
 from slime.backends.sglang.flags import (
     SKIPPED_ROUTER_FLAGS,
     SKIPPED_SGLANG_FLAGS,
@@ -52,10 +54,12 @@ def _passthrough_dests() -> set[str]:
 
 def names_read(root: Path, skip_files: set[str]) -> set[str]:
     """Attribute names loaded, and string constants given to getattr/hasattr, in every module under `root`."""
+    return names_read_in([p for p in root.rglob("*.py") if p.name not in skip_files])
+
+
+def names_read_in(paths: list[Path]) -> set[str]:
     names: set[str] = set()
-    for path in root.rglob("*.py"):
-        if path.name in skip_files:
-            continue
+    for path in paths:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
                 names.add(node.attr)
@@ -70,8 +74,13 @@ def names_read(root: Path, skip_files: set[str]) -> set[str]:
     return names
 
 
+def plugin_reads() -> set[str]:
+    """Names read by the registered server plugins' modules: a plugin's own flags are read there, not in slime/."""
+    return names_read_in(sorted({Path(inspect.getsourcefile(type(p))) for p in server_plugins.registered().values()}))
+
+
 def unread_flags(parser: argparse.ArgumentParser, root: Path = SLIME) -> list[str]:
-    read = names_read(root, PARSER_MODULES)
+    read = names_read(root, PARSER_MODULES) | plugin_reads()
     exempt = _passthrough_dests() | set(unsupported_flags()) | set(IMPLEMENTED_BY_PARSER) | {"help"}
     return sorted(a.dest for a in parser._actions if a.dest not in read and a.dest not in exempt)
 

@@ -7,6 +7,7 @@ reader. Edges are module to module (a package's `__init__` counts as the package
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,23 @@ def test_slime_never_imports_sim() -> None:
         for m, ts in graph.items()
         if any(t.startswith("sim") for t in ts)
     } == {}
+
+
+SIM_WORD = re.compile(r"\bsim\b")
+
+
+def sim_mentions(package: str = "slime") -> list[str]:
+    """file:line of every `sim` word in a package's Python source (code, strings and comments alike)."""
+    return [
+        f"{path.relative_to(ROOT)}:{i}"
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if SIM_WORD.search(line)
+    ]
+
+
+def test_slime_never_names_the_simulator() -> None:
+    """The simulator enters as a plugin (pyproject.toml entry points): slime's source reads as if it did not
+    exist — no import, no launch command, no flag or YAML key of its in slime/."""
+    assert sim_mentions() == []
+    assert sim_mentions("sim")  # the check finds the word where it is (it cannot pass by matching nothing)

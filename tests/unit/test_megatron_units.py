@@ -355,13 +355,15 @@ def _record_hook(args: object) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error path")
 def test_cpu_without_hook_names_the_flag(make_args: Callable[..., Any]):
-    from slime.backends.megatron.initialize import CPU_SHIM_HOOK, init_distributed, run_custom_megatron_init
+    from slime.backends.megatron.initialize import cpu_shim_hooks, init_distributed, run_custom_megatron_init
+
+    assert cpu_shim_hooks() == ["sim.fake_megatron.cpu_shim.apply"]  # the simulator's, registered in pyproject.toml
 
     args = make_args(custom_megatron_init_path=None)
     for call in (lambda: run_custom_megatron_init(args), lambda: init_distributed(args, 0, 1, "127.0.0.1", 1)):
         with pytest.raises(SlimeArgError, match="--custom-megatron-init-path") as e:
             call()
-        assert CPU_SHIM_HOOK in str(e.value) and "\n" not in str(e.value)
+        assert "sim.fake_megatron.cpu_shim.apply" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_custom_init_hook_is_called_with_args(make_args: Callable[..., Any]):

@@ -20,7 +20,7 @@ import costs ~2.5 s with `lean_import`, ~7 s without):
 - `context_parallel`: a packed row's zigzag share per CP rank, K/V gathered over the CP group, response
   tokens scored per rank and gathered back in sample order.
 - `pipeline_runs`: `PipelineRunner`, megatron's pipeline schedules over a rank's model chunk(s).
-- `rank_layout`: megatron's rank order (tp-cp-ep-dp-pp) without megatron; `slime plan` and `sim/` use it.
+- `rank_layout`: megatron's rank order (tp-cp-ep-dp-pp) without megatron; `slime plan` and the simulator use it.
 """
 
 from slime.backends.megatron import lean_import

@@ -8,8 +8,9 @@ The train actor calls, in order:
 
 Why the hook runs first: megatron-core assumes CUDA. On a CPU-only host the CPU shim must patch it before
 the RNG tracker is seeded or any model is built, and it enters only through slime's hook flag
-(`--custom-megatron-init-path sim.fake_megatron.cpu_shim.apply`) because `slime/` never imports `sim/`.
-Without CUDA and without a hook we stop with a one-line hint instead of megatron's CUDA assertion.
+(`--custom-megatron-init-path package.module.function`): slime names no shim itself. Without CUDA and without a
+hook we stop with a one-line hint, naming the shims installed ones register (`slime.cpu_shims` entry points),
+instead of megatron's CUDA assertion.
 
 args read: tensor_model_parallel_size, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size,
 context_parallel_size, expert_model_parallel_size, expert_tensor_parallel_size, distributed_backend,
@@ -34,17 +35,23 @@ from slime.backends.megatron.parallel_state import MegatronParallelState
 from slime.utils.distributed import bind_gloo_to, client_store, master_store
 from slime.utils.errors import SlimeArgError
 from slime.utils.misc import load_function
+from slime.utils.plugins import entry_points
 
 logger = logging.getLogger(__name__)
 
-CPU_SHIM_HOOK = "sim.fake_megatron.cpu_shim.apply"
+CPU_SHIM_GROUP = "slime.cpu_shims"  # entry points of megatron-core CPU shims ("package.module:function")
+
+
+def cpu_shim_hooks() -> list[str]:
+    """Import paths of the registered CPU shims, as `--custom-megatron-init-path` takes them."""
+    return sorted(target.replace(":", ".") for target in entry_points(CPU_SHIM_GROUP).values())
 
 
 def _check_device(args: Any) -> None:
     if not torch.cuda.is_available() and not args.custom_megatron_init_path:
-        raise SlimeArgError(
-            f"no CUDA device: to run megatron-core on CPU pass --custom-megatron-init-path {CPU_SHIM_HOOK}"
-        )
+        shims = cpu_shim_hooks()
+        how = f"pass --custom-megatron-init-path {' or '.join(shims)}" if shims else "no CPU shim is installed"
+        raise SlimeArgError(f"no CUDA device: to run megatron-core on CPU {how}")
 
 
 def run_custom_megatron_init(args: Any) -> None:

@@ -1,7 +1,7 @@
 """The memory plan: bytes of every buffer on each training GPU and its host, phase by phase (pure arithmetic).
 
 `slime plan` prints it before anything launches (docs/memory.md), property tests check it against the
-simulated accountant of `sim/fake_megatron/memory_accountant.py`, and `bench/offload_memory_gpu.py` against
+simulator's memory accountant (tests/property/test_memory_plan.py), and `bench/offload_memory_gpu.py` against
 `torch.cuda.max_memory_allocated` on a GPU. Everything is per rank; ranks of one pipeline stage are identical
 (TP splits every tensor evenly, DP and CP replicate the model), so one column per stage is the whole story.
 

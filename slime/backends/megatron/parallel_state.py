@@ -1,5 +1,5 @@
 """`ParallelState` over megatron-core's `parallel_state` groups and `torch.distributed` (the real-run twin of
-`sim/fake_megatron`'s simulated ranks).
+the simulator's ranks).
 
 Why a wrapper: slime's loss/metric reducers and schedules are written against the `ParallelState` protocol so
 that property tests can run them on 64 simulated ranks; on a real run the same code must hit megatron's

@@ -6,7 +6,7 @@ apart). A group along a set of dimensions holds every rank that shares the digit
 dimensions. Group enumeration order and the order of ranks inside a group follow megatron-core 0.16.1
 (`megatron/core/parallel_state.py`: `RankGenerator.get_ranks`, `initialize_model_parallel`), which the
 property tests check; this module does not import megatron. `slime plan` prints the train ranks with it, and
-`sim/fake_megatron` places its simulated ranks with it.
+the simulator places its ranks with it.
 """
 
 from __future__ import annotations

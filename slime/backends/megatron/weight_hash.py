@@ -6,7 +6,7 @@ weight_checker.py `_compute_checksum`): per tensor ``f"{tensor_hash(t):016x}"``,
 tensor is the first 8 bytes of SHA-256 over its raw bytes read big-endian (python/sglang/srt/managers/
 mm_utils.py); the per-rank checksum is SHA-256 over the sorted (name, checksum) pairs.
 
-What can be compared with what: the engine says (`ChecksumLayout`). The fake engine (`sim/fake_sglang`) names
+What can be compared with what: the engine says (`ChecksumLayout`). The simulated engine names
 tensors as the HF checkpoint does; SGLang names its fused parameters (``qkv_proj`` = q, k, v stacked; ``gate_up_proj``
 = gate, up), so the trainer fuses before hashing (`fused_hf_tensors`, engine TP 1). Tensors on a GPU are hashed by
 SGLang with a GPU kernel instead of SHA-256 (`gpu_tensor_hash.py`, a port checked against that kernel), so the

@@ -6,23 +6,25 @@ The `--sglang-*` server flags and `--router-*` router flags are generated from s
 from __future__ import annotations
 
 import argparse
-import os
 
+from slime.backends.sglang import server_plugins
 from slime.utils.errors import SlimeArgError
 
 
-def add_rollout_engine_arguments(p: argparse.ArgumentParser) -> None:
+def add_rollout_engine_arguments(p: argparse.ArgumentParser, argv: list[str] | None = None) -> None:
+    """slime's inference flags, and those of every server plugin (`server_plugins.py`): registered ones, and one
+    named by import path in `argv`'s --rollout-engine."""
     g = p.add_argument_group("inference servers")
+    names = ", ".join(server_plugins.registered()) or "none installed"
     g.add_argument(
         "--rollout-engine",
-        choices=["sglang", "sim", "auto"],
         default="auto",
-        help="sglang: real SGLang servers; sim: sim.fake_sglang servers; auto: sglang when installed with CUDA",
+        help="sglang: real SGLang servers (--sglang-python); a server plugin's name (registered: "
+        f"{names}) or import path (package.module:Class); auto: SGLang where CUDA is, else the plugin that stands in "
+        "for it without CUDA",
     )
-    g.add_argument("--sim-engine", choices=["hf", "scripted", "synthetic"], default="hf", help="fake engine kind")
-    g.add_argument("--sim-script", default=None, help="rules file for --sim-engine scripted")
-    g.add_argument("--sim-synthetic-config", default=None, help="distribution file for --sim-engine synthetic")
-    g.add_argument("--sim-request-log-dir", default=None, help="fake engines write request logs here")
+    for plugin in server_plugins.all_plugins(argv):
+        plugin.add_arguments(p)
     g.add_argument("--sglang-config", default=None, help="YAML topology of models, server groups and routers")
     g.add_argument("--prefill-num-servers", type=int, default=None, help="PD split without a YAML: prefill engines")
     g.add_argument(
@@ -39,12 +41,10 @@ def add_rollout_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def validate_rollout_engine_args(args: argparse.Namespace) -> None:
-    for name in ("sim_script", "sim_synthetic_config"):
-        path = getattr(args, name)
-        if path is not None and not os.path.isfile(path):
-            raise SlimeArgError(f"--{name.replace('_', '-')}: file not found: {path}")
-    if args.rollout_engine == "sim" and args.sim_engine == "scripted" and args.sim_script is None:
-        raise SlimeArgError("--sim-engine scripted needs --sim-script FILE (rules)")
+    chosen = server_plugins.plugin(args.rollout_engine)  # an unknown engine is one line here
+    plugins = list(server_plugins.registered().values())
+    for plugin in [*plugins, *([chosen] if chosen is not None and chosen not in plugins else [])]:
+        plugin.validate(args)  # its own flags, e.g. files they name
     if args.rollout_external:
         if not args.rollout_external_engine_addrs:
             raise SlimeArgError("--rollout-external needs --rollout-external-engine-addrs HOST:PORT [HOST:PORT ...]")

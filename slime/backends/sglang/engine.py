@@ -1,4 +1,4 @@
-"""`SGLangEngine`: a thin Ray actor that owns one inference server process (real SGLang or `sim.fake_sglang`).
+"""`SGLangEngine`: a thin Ray actor that owns one inference server process (real SGLang or a server plugin's).
 
 The actor sits on a placement-group bundle (0.2 GPU) so the scheduler accounts for it like any other GPU
 consumer; the server is a child process (`slime/utils/process.py`: its own process group, dies with the actor).
@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_backend(args: Namespace) -> str:
-    """'sglang' or 'sim': decided by the driver's preflight (`engine_choice.check_rollout_engine` writes it back
+    """'sglang' or a server plugin's name: decided by the driver's preflight (`engine_choice.check_rollout_engine` writes it back
     onto args); asked again here only for an `auto` that reached an engine without one."""
     if args.rollout_engine != "auto":
         return args.rollout_engine

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from argparse import Namespace
 
+from slime.backends.sglang import server_plugins
 from slime.backends.sglang.flags import check_release_flags, sglang_overrides_from_args
 from slime.backends.sglang.versions import protocol_for
 from slime.utils.cuda import cuda_available
@@ -53,13 +54,20 @@ def installed_sglang(python: str) -> str | None:
 
 
 def choose_rollout_engine(args: Namespace) -> tuple[str, str]:
-    """('sglang' or 'sim', why) for `--rollout-engine` sglang|sim|auto; raises SlimeArgError when auto finds CUDA
+    """('sglang' or a server plugin's name, why) for `--rollout-engine`; raises SlimeArgError when auto finds CUDA
     but no SGLang, or sglang finds no SGLang."""
     python = sglang_python(args)
-    if args.rollout_engine == "sim":
-        return "sim", "simulated servers (--rollout-engine sim)"
+    chosen = server_plugins.plugin(args.rollout_engine)
+    if chosen is not None:
+        return args.rollout_engine, f"{args.rollout_engine} servers (--rollout-engine {args.rollout_engine})"
+    stand_in = server_plugins.stand_in()
     if args.rollout_engine == "auto" and not cuda_available():
-        return "sim", "simulated servers (--rollout-engine auto: this machine has no CUDA)"
+        if stand_in is None:
+            raise SlimeArgError(
+                "--rollout-engine auto: this machine has no CUDA and no installed server plugin stands in for "
+                "SGLang without it; pass --rollout-engine NAME"
+            )
+        return stand_in.name, f"{stand_in.name} servers (--rollout-engine auto: this machine has no CUDA)"
     version = installed_sglang(python)
     where = "slime's interpreter" if python == sys.executable else f"--sglang-python {python}"
     if args.rollout_engine == "sglang":
@@ -70,16 +78,17 @@ def choose_rollout_engine(args: Namespace) -> tuple[str, str]:
             )
         return "sglang", f"SGLang {version} from {where} (--rollout-engine sglang)"
     if version is None:
+        ask = f", or pass --rollout-engine {stand_in.name} to run its simulated servers" if stand_in else ""
         raise SlimeArgError(
             f"--rollout-engine auto: this machine has CUDA but SGLang is not importable by {where}; install SGLang "
-            "(or pass --sglang-python), or pass --rollout-engine sim to run the simulated engines"
+            f"(or pass --sglang-python){ask}"
         )
     return "sglang", f"SGLang {version} from {where} (--rollout-engine auto: CUDA and SGLang found)"
 
 
 def check_rollout_engine(args: Namespace) -> None:
-    """Preflight: resolve `--rollout-engine` (written back as 'sglang' or 'sim', so every engine actor starts
-    what was checked here) and check the SGLang release and its flags. Nothing to check where no server is
+    """Preflight: resolve `--rollout-engine` (written back as 'sglang' or the plugin's name, so every engine actor
+    starts what was checked here) and check the SGLang release and its flags. Nothing to check where no server is
     launched (`--debug-train-only`, `--rollout-external`)."""
     if args.debug_train_only or args.rollout_external:
         return
@@ -87,7 +96,7 @@ def check_rollout_engine(args: Namespace) -> None:
     if args.rollout_engine == "sglang":
         _check_release(args)
     logger.info("rollout engine: %s", why)  # once every check passed: an error stays the console's one line
-    if args.rollout_engine == "sglang" and not getattr(args, "sglang_enable_deterministic_inference", None):
+    if args.rollout_engine == "sglang" and not args.sglang_enable_deterministic_inference:
         logger.info(
             "SGLang runs without --sglang-enable-deterministic-inference: it ignores sampling_seed, so a resumed run "
             "regenerates its in-flight prompts with other tokens"

@@ -1,4 +1,4 @@
-"""The argv of one inference server: real SGLang (`python -m sglang.launch_server`) or `python -m sim.fake_sglang`.
+"""The argv of one inference server: real SGLang (`python -m sglang.launch_server`) or a server plugin's.
 
 Why argv and not an in-process `ServerArgs`: SGLang is not importable where slime runs on CPU, and a
 command line is what the engine actor spawns anyway. Values are merged per ServerArgs dest with rising
@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
-from typing import Any, Literal
+from typing import Any
 
+from slime.backends.sglang import server_plugins
 from slime.backends.sglang.flags import (
     render_option,
     sglang_options_by_dest,
     sglang_overrides_from_args,
     snapshot_version_for,
 )
-from slime.utils.cuda import cuda_available
+from slime.backends.sglang.server_plugins import ServerSpec
 from slime.utils.errors import SlimeArgError
 
 logger = logging.getLogger(__name__)
@@ -77,57 +77,10 @@ def _slime_settings(
     return {k: v for k, v in s.items() if v is not None}
 
 
-def _sim_argv(
-    args: argparse.Namespace,
-    host: str,
-    port: int,
-    rank: int,
-    model_path: str | None,
-    num_gpus: int = 1,
-    worker_type: str = "regular",
-    bootstrap_port: int | None = None,
-    nnodes: int = 1,
-    node_rank: int = 0,
-    dist_init_addr: str | None = None,
-    base_gpu_id: int = 0,
-) -> list[str]:
-    """The CLI of sim/fake_sglang; `--tp-size` makes a k-GPU fake join weight-sync groups as k ranks, and a
-    multi-node fake serves as one engine from node rank 0 (the others join it as SGLang's nodes do)."""
-    engine = args.sim_engine
-    argv = [sys.executable, "-m", "sim.fake_sglang", "--host", host, "--port", str(port), "--engine", engine]
-    argv += ["--model-path", str(model_path or args.hf_checkpoint), "--random-seed", str(args.seed + rank)]
-    if engine == "scripted":
-        argv += ["--script", str(args.sim_script)]
-    if engine == "synthetic":
-        argv += ["--synthetic-config", str(args.sim_synthetic_config)]
-    if args.sim_request_log_dir:
-        argv += ["--request-log", os.path.join(args.sim_request_log_dir, f"engine_{rank}.jsonl")]
-    dtype = args.sglang_dtype if args.sglang_dtype not in (None, "auto") else ("bfloat16" if args.bf16 else None)
-    if engine == "hf" and dtype is not None:  # the weights' dtype, as SGLang's --dtype: a bf16 trainer's sync is exact
-        argv += ["--dtype", dtype]
-    if cuda_available():  # SGLang's placement flag: the engine's first GPU (see Engine.base_gpu_id)
-        argv += ["--device", "cuda", "--base-gpu-id", str(base_gpu_id)]
-    else:
-        argv += ["--device", "cpu"]
-    if args.sglang_max_running_requests:  # the one scheduler limit the fake shares with SGLang
-        argv += ["--max-running-requests", str(args.sglang_max_running_requests)]
-    if getattr(args, "sglang_enable_deterministic_inference", None):  # only then does SGLang honour sampling_seed
-        argv += ["--enable-deterministic-inference"]
-    if num_gpus > 1:
-        argv += ["--tp-size", str(num_gpus)]
-    if worker_type in ("prefill", "decode"):
-        argv += ["--disaggregation-mode", worker_type]
-        if bootstrap_port is not None:
-            argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
-    if nnodes > 1:
-        argv += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--dist-init-addr", str(dist_init_addr)]
-    return argv
-
-
 def build_server_argv(
     args: argparse.Namespace,
     *,
-    backend: Literal["sglang", "sim"],
+    backend: str,
     host: str,
     port: int,
     base_gpu_id: int = 0,
@@ -146,23 +99,16 @@ def build_server_argv(
     (a --sglang-config group's) win over everything."""
     if nnodes > 1 and not dist_init_addr:
         raise ValueError("an engine spanning several nodes needs dist_init_addr (node rank 0's address)")
-    if backend == "sim":
-        return _sim_argv(
-            args,
-            host,
-            port,
-            rank,
-            model_path,
-            num_gpus,
-            worker_type,
-            bootstrap_port,
-            nnodes,
-            node_rank,
-            dist_init_addr,
-            base_gpu_id,
-        )
-    if backend != "sglang":
-        raise ValueError(f"unknown backend {backend!r}")
+    if backend != "sglang":  # a server plugin (server_plugins.py) builds its own
+        plugin = server_plugins.plugin(backend)
+        if plugin is None:
+            raise ValueError(f"backend {backend!r} is neither sglang nor a server plugin")
+        spec = ServerSpec(
+            host=host, port=port, rank=rank, model_path=str(model_path or args.hf_checkpoint), num_gpus=num_gpus,
+            worker_type=worker_type, bootstrap_port=bootstrap_port, nnodes=nnodes, node_rank=node_rank,
+            dist_init_addr=dist_init_addr, base_gpu_id=base_gpu_id,
+        )  # fmt: skip
+        return plugin.server_argv(args, spec)
     if worker_type not in WORKER_TYPES:
         raise SlimeArgError(f"worker_type {worker_type!r} does not start an engine; expected one of {WORKER_TYPES}")
     if worker_type == "prefill" and bootstrap_port is None:

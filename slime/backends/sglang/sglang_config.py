@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from slime.backends.sglang import server_plugins
 from slime.backends.sglang.flags import validate_override_keys
 from slime.utils.errors import SlimeArgError
 from slime.utils.yaml_nodes import YamlContext as _Ctx
@@ -33,10 +34,8 @@ logger = logging.getLogger(__name__)
 
 WORKER_TYPES = ("regular", "prefill", "decode", "placeholder", "encoder")
 ENGINE_WORKER_TYPES = ("regular", "prefill", "decode")
-MODEL_KEYS = ("name", "model_path", "update_weights", "num_gpus_per_engine", "server_groups", "engine_groups", "sim")
+MODEL_KEYS = ("name", "model_path", "update_weights", "num_gpus_per_engine", "server_groups", "engine_groups")
 GROUP_KEYS = ("worker_type", "num_gpus", "num_gpus_per_engine", "overrides")
-# slime-sim extension: which fake engine serves a model when `--rollout-engine sim` (ignored for real SGLang).
-SIM_KEYS = ("engine", "script", "synthetic_config")
 DEFAULT_MODEL_NAME = "default"
 FLAG = "--sglang-config"
 
@@ -64,7 +63,9 @@ class ModelConfig:
     receives_weights: bool  # only the first model with update_weights true is synced (one trained policy)
     num_gpus_per_engine: int
     server_groups: tuple[ServerGroupConfig, ...]
-    sim: dict[str, Any] = field(default_factory=dict)
+    # {server plugin: {YAML key: value}}: a block named after a plugin sets its flags for this model's engines when
+    # that plugin serves the run (server_plugins.py); real SGLang ignores them
+    plugin_blocks: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def is_pd(self) -> bool:
@@ -162,7 +163,7 @@ def _load_group(
 
 
 def _load_model(ctx: _Ctx, node: yaml.Node, where: str, args: Namespace) -> tuple[dict[str, Any], yaml.Node]:
-    m = _mapping(ctx, node, where, MODEL_KEYS)
+    m = _mapping(ctx, node, where, (*MODEL_KEYS, *server_plugins.registered()))
     if "name" not in m:
         raise ctx.error(node, f"{where}.name", "required key missing (unique model name)")
     name = _str(ctx, m["name"], f"{where}.name")
@@ -198,23 +199,24 @@ def _load_model(ctx: _Ctx, node: yaml.Node, where: str, args: Namespace) -> tupl
         raise ctx.error(
             m[gkey], f"{where}.{gkey}", f"a PD model needs both prefill and decode groups; {missing} is missing"
         )
-    sim: dict[str, Any] = {}
-    if "sim" in m:
-        for k, vnode in _mapping(ctx, m["sim"], f"{where}.sim", SIM_KEYS).items():
-            value = _str(ctx, vnode, f"{where}.sim.{k}")
-            if k != "engine" and not os.path.isabs(value):
+    blocks: dict[str, dict[str, Any]] = {}
+    for pname, plugin in server_plugins.registered().items():
+        if pname not in m:
+            continue
+        block: dict[str, Any] = {}
+        for k, vnode in _mapping(ctx, m[pname], f"{where}.{pname}", tuple(plugin.model_keys)).items():
+            value = _str(ctx, vnode, f"{where}.{pname}.{k}")
+            if k in plugin.path_keys and not os.path.isabs(value):
                 value = os.path.join(os.path.dirname(os.path.abspath(ctx.path)), value)
-            sim[k] = value
-        if sim.get("engine", "hf") not in ("hf", "scripted", "synthetic"):
-            raise ctx.error(
-                m["sim"],
-                f"{where}.sim.engine",
-                f"unknown fake engine {sim['engine']!r}; expected hf, scripted or synthetic",
-            )
+            block[k] = value
+        why = plugin.check_model_block(block)
+        if why is not None:
+            raise ctx.error(m[pname], f"{where}.{pname}", why)
+        blocks[pname] = block
     effective_path = next(iter(paths)) if paths else model_path
     raw = {
         "name": name, "model_path": effective_path, "update_weights": update, "num_gpus_per_engine": gpe,
-        "server_groups": tuple(g for g, _ in groups), "sim": sim, "name_node": m["name"],
+        "server_groups": tuple(g for g, _ in groups), "plugin_blocks": blocks, "name_node": m["name"],
         "update_node": m.get("update_weights"),
     }  # fmt: skip
     return raw, node
@@ -256,7 +258,8 @@ def _resolve(raws: list[dict[str, Any]], args: Namespace, ctx: _Ctx | None) -> t
         models.append(
             ModelConfig(
                 name=r["name"], model_path=r["model_path"], update_weights=bool(update), receives_weights=receives,
-                num_gpus_per_engine=r["num_gpus_per_engine"], server_groups=r["server_groups"], sim=r["sim"],
+                num_gpus_per_engine=r["num_gpus_per_engine"], server_groups=r["server_groups"],
+                plugin_blocks=r["plugin_blocks"],
             )
         )  # fmt: skip
     return tuple(models)
