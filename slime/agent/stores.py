@@ -184,7 +184,7 @@ class RedisSessionStore:
         *,
         client: Any = None,
         prefix: str = "slime:agent:",
-        lock_ttl_ms: int = 30_000,
+        lock_ttl_ms: int = 10_000,  # a dead process's lock stalls its session this long; commits are fenced
         lock_timeout_s: float = 60.0,
         session_ttl_s: int = 24 * 3600,
         tombstone_ttl_s: int = 3600,
