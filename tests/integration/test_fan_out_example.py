@@ -29,7 +29,10 @@ def run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fan_out")
     env = {**os.environ, "OUT": str(out)}
     (out / "requests").mkdir()  # slime does not create --sim-request-log-dir itself
-    extra = ["--num-rollout", str(NUM_ROLLOUT), "--sim-request-log-dir", str(out / "requests")]
+    # seeded sampling (SGLang honours sampling_seed only in deterministic mode): the same answers on every run, some
+    # of which the random model gets partly right, so the run has a reward to learn from
+    extra = ["--num-rollout", str(NUM_ROLLOUT), "--sim-request-log-dir", str(out / "requests"),
+             "--sglang-enable-deterministic-inference"]  # fmt: skip
     with supervised(["bash", str(ROOT / "examples/fan_out/run_fan_out.sh"), *extra], out / "run.log", env) as proc:
         rc = proc.wait(timeout=600)
     assert rc == 0, (out / "run.log").read_text()[-6000:]
