@@ -30,4 +30,6 @@ def main(target: str) -> Path:
 
 
 if __name__ == "__main__":
-    print(f"entry points of {ROOT / 'pyproject.toml'} -> {main(sys.argv[1] if len(sys.argv) > 1 else '.offline-site')}")
+    print(
+        f"entry points of {ROOT / 'pyproject.toml'} -> {main(sys.argv[1] if len(sys.argv) > 1 else '.offline-site')}"
+    )
