@@ -70,8 +70,8 @@ class Gateway:
         closes itself. `aux_models`: model names served but never trained (small/fast-model calls).
         `request_log`: append every API request (credentials masked) to this JSONL file. `context_length`:
         the prompt limit; by default the served model's (the engine's `/v1/models`, else the checkpoint's
-        config). `prepare_workers`: processes that prepare large bodies off the event loop (0: none, all on
-        the loop). `body_timeout_s`: a body not received in this time is answered 408.
+        config). `prepare_workers`: processes per lane that prepare large bodies off the event loop (0: none,
+        all on the loop). `body_timeout_s`: a body not received in this time is answered 408.
         `max_session_requests`: requests of one session in flight at once in this process (429 beyond)."""
         self.tokenizer = tokenizer
         self.builder = PromptBuilder(tokenizer)
@@ -90,7 +90,8 @@ class Gateway:
         self.body_timeout_s = body_timeout_s
         self.max_session_requests = max_session_requests
         self.limit = ContextLimit(context_length or 0, None)  # set for good in start()
-        self.pool: PreparePool | None = None
+        self.pool: PreparePool | None = None  # bodies up to HUGE_BODY_BYTES
+        self.huge_pool: PreparePool | None = None  # larger ones, idle-class
         self._runner: web.AppRunner | None = None
         self._counter = 0
         self._tag = secrets.token_hex(2)  # keeps request ids unique across gateway processes sharing a store
@@ -108,6 +109,7 @@ class Gateway:
         self.limit = ContextLimit(ctx, max_token_bytes(self.tokenizer))
         if self.prepare_workers > 0:
             self.pool = PreparePool(self.tokenizer, self.limit, self.prepare_workers)
+            self.huge_pool = PreparePool(self.tokenizer, self.limit, self.prepare_workers, idle=True)
         # handler_cancellation: a client that disconnects cancels its handler, which aborts the engine call
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
@@ -123,8 +125,9 @@ class Gateway:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        if self.pool is not None:
-            await self.pool.close()
+        for pool in (self.pool, self.huge_pool):
+            if pool is not None:
+                await pool.close()
         await self.engine.close()
         if self._owns_store:
             await self.store.close()

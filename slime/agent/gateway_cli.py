@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prepare-workers",
         type=int,
         default=2,
-        help="processes that parse and render large request bodies off the event loop (0: all on the loop)",
+        help="processes per lane (bodies over 64 KiB; over 4 MiB, idle-class) that parse and render request bodies "
+        "off the event loop (0: all on the loop)",
     )
     p.add_argument(
         "--body-timeout", type=float, default=60.0, help="seconds to receive a request body before answering 408"

@@ -13,7 +13,7 @@ No client can stall the gateway for the others. In order, an API request is: aut
 read (a stranger's body is never read); admitted (at most `max_session_requests` of one session in flight,
 429 beyond); read within `body_timeout_s` (408: a `Content-Length` larger than what is sent is not waited on)
 and within `max_body_bytes` (413); prepared on the loop only when that is cheap, else in a prepare worker
-(`slime.agent.requests`); held to the model's context (400, as SGLang answers).
+(`slime.agent.requests`; an idle-class one for a huge body, `slime.agent.prepare_pool`); held to the model's context (400, as SGLang answers).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from slime.agent.api import (
 from slime.agent.context_limit import ContextLimit
 from slime.agent.engine_client import EngineError
 from slime.agent.messages import BadRequest
-from slime.agent.prepare_pool import PreparePool
+from slime.agent.prepare_pool import HUGE_BODY_BYTES, PreparePool
 from slime.agent.prompts import PromptBuilder
 from slime.agent.requests import cheap_body, cheap_shape, measure, translate
 from slime.agent.session import Session
@@ -66,6 +66,7 @@ class HttpGateway(TurnRunner, Protocol):
     builder: PromptBuilder
     limit: ContextLimit
     pool: PreparePool | None
+    huge_pool: PreparePool | None
     admin_token: str | None
     request_log: str | None
     max_body_bytes: int
@@ -214,8 +215,8 @@ async def read_body(gw: HttpGateway, request: web.Request) -> tuple[list[bytes],
 
 async def _prepare(gw: HttpGateway, route: str, chunks: list[bytes], n: int) -> ApiRequest:
     """On the loop while it is cheap (a small body, then a small shape), else in a prepare worker."""
-    if gw.pool is not None and not cheap_body(n):
-        return await gw.pool.prepare(route, chunks, n)
+    if gw.pool is not None and gw.huge_pool is not None and not cheap_body(n):
+        return await (gw.huge_pool if n > HUGE_BODY_BYTES else gw.pool).prepare(route, chunks, n)
     raw = b"".join(chunks)
     req = translate(route, raw)
     if gw.pool is not None and not cheap_shape(req):

@@ -46,15 +46,15 @@ def translate(route: str, raw: bytes) -> ApiRequest:
 def measure(req: ApiRequest, builder: Any, limit: ContextLimit, *, count: bool) -> ApiRequest:
     """Hashes, the rendered prompt, and the context check: refused by its bytes alone when that proves it too
     long; with `count`, also tokenized when its bytes cannot tell (and always for count_tokens)."""
-    req.hashes = [message_hash(m) for m in req.messages]
-    req.tools_hash = tools_hash(req.tools)
     try:
         req.text = builder.render(req.messages, req.tools, gen=True)
     except BadRequest:
         raise
     except Exception as e:  # the chat template rejected the messages (e.g. roles out of order)
         raise BadRequest(f"messages: cannot be rendered with the model's chat template: {e}") from e
-    may_not_fit = limit.check_text(req.text)
+    may_not_fit = limit.check_text(req.text)  # before hashing: a prompt refused here costs no more
+    req.hashes = [message_hash(m) for m in req.messages]
+    req.tools_hash = tools_hash(req.tools)
     if count and (may_not_fit or req.route == COUNT_TOKENS):
         req.ids = builder.encode(req.text)
         if req.route != COUNT_TOKENS:

@@ -9,6 +9,7 @@ Against the scripted fake engine and the tiny checkpoint (context 4096 tokens). 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -102,6 +103,15 @@ def test_a_prompt_over_the_context_is_refused_as_sglang_refuses_it(stack: dict[s
     assert ok.status_code == 200, ok.text
 
 
+def test_a_huge_body_is_prepared_by_an_idle_class_worker(stack: dict[str, Any]) -> None:
+    """Over 4 MiB (no agent client sends that): its worker gets only CPU nothing else on the host wants."""
+    sess = session(stack)
+    r = post(stack, sess["api_key"], "/v1/chat/completions", chat("x" * (5 << 20)))
+    assert r.status_code == 400 and "The input (at least " in r.text, r.text
+    policies = {os.sched_getscheduler(p.pid) for p in prepare_workers()}
+    assert os.SCHED_IDLE in policies, policies
+
+
 def test_count_tokens_counts_and_refuses_only_what_cannot_fit(stack: dict[str, Any]) -> None:
     sess = session(stack)
     path = "/v1/messages/count_tokens"
@@ -178,10 +188,10 @@ def in_background(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
 
 
 def test_a_large_body_is_prepared_off_the_loop_while_others_are_served(stack: dict[str, Any]) -> None:
-    """20k tool definitions (the probe's 1.85M-token prompt): parsed and rendered in a prepare worker, refused
-    there by its size; meanwhile /health and another session's turn are answered."""
+    """8k tool definitions (the probe's 1.85M-token prompt had 20k): parsed and rendered in a prepare worker,
+    refused there by its size; meanwhile /health and another session's turn are answered."""
     hostile, other = session(stack), session(stack)
-    t, box = in_background(lambda: post(stack, hostile["api_key"], "/v1/chat/completions", tools_body(20_000)))
+    t, box = in_background(lambda: post(stack, hostile["api_key"], "/v1/chat/completions", tools_body(8000)))
     wait_for(lambda: prepare_workers() and stack["gw"].active.get(hostile["session_id"]) == 1, "a worker took it")
     assert httpx.get(f"{stack['url']}/health", timeout=60).status_code == 200
     ok = post(stack, other["api_key"], "/v1/chat/completions", chat("hi"))
@@ -208,7 +218,7 @@ def test_a_worker_prepares_exactly_what_the_loop_would(stack: dict[str, Any]) ->
 
 def test_a_worker_that_dies_costs_one_retryable_answer(stack: dict[str, Any]) -> None:
     sess = session(stack)
-    t, box = in_background(lambda: post(stack, sess["api_key"], "/v1/chat/completions", tools_body(20_000)))
+    t, box = in_background(lambda: post(stack, sess["api_key"], "/v1/chat/completions", tools_body(8000)))
     wait_for(lambda: stack["gw"].active.get(sess["session_id"]) == 1 and prepare_workers(), "a worker took it")
     for p in prepare_workers():
         p.kill()
