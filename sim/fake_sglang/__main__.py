@@ -53,6 +53,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--served-model-name", default=None)
     p.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="SGLang's flag: the model's context length (default: from its config); longer prompts get SGLang's 400",
+    )
+    p.add_argument(
         "--enable-deterministic-inference",
         action="store_true",
         help="SGLang's flag: honour a request's sampling_seed (without it SGLang ignores the seed and so does the "
@@ -122,6 +128,7 @@ def build_engine(a: argparse.Namespace) -> Engine:
 
 async def serve(a: argparse.Namespace) -> int:
     """Node rank 0 (or a single-node engine): the HTTP server. Returns the exit code."""
+    from sim.fake_sglang.info_routes import context_length, hf_config
     from sim.fake_sglang.server import STATE_KEY, build_app
 
     nodes = None
@@ -129,10 +136,12 @@ async def serve(a: argparse.Namespace) -> int:
         nodes = NodeRendezvous(*parse_dist_init_addr(a.dist_init_addr), a.nnodes)
         await nodes.start()
     engine = build_engine(a)
+    engine.context_len = context_length(hf_config(engine, a.model_path), a.context_length)
     server_args = {
         "model_path": a.model_path,
         "tokenizer_path": a.model_path,
         "served_model_name": a.served_model_name or a.model_path or f"fake-{a.engine}",
+        "context_length": a.context_length,
         "host": a.host,
         "port": a.port,
         "random_seed": a.random_seed,

@@ -76,6 +76,7 @@ class Engine(ABC):
         self.paused = False
         self.released_tags: set[str] = set()
         self.weight_version = "default"  # python/sglang/srt/server_args.py: weight_version default
+        self.context_len: int | None = None  # the model's context length (set by the server); None: not checked
         self._wakeup = asyncio.Event()
         self._resumed = asyncio.Event()
         self._resumed.set()
@@ -173,6 +174,24 @@ class Engine(ABC):
         return self.score_prompt(prompt_ids, start, temperature, top_k)
 
     # ---- request lifecycle --------------------------------------------------------------------------
+    def _check_context(self, prompt_ids: list[int], sampling_params: dict[str, Any]) -> None:
+        """tokenizer_manager.py `_validate_one_request` (SGLang 0.5.17, no auto-truncate, validate_total_tokens on):
+        a prompt of at least the context length, or one whose max_new_tokens would not fit after it, is refused."""
+        ctx = self.context_len
+        if ctx is None:
+            return
+        n = len(prompt_ids)
+        if n >= ctx:
+            raise BadRequest(f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens).")
+        max_new = sampling_params.get("max_new_tokens")
+        if max_new is not None and max_new + n > ctx:
+            raise BadRequest(
+                f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You requested a "
+                f"total of {max_new + n} tokens: {n} tokens from the input messages and {max_new} tokens for the "
+                "completion. Please reduce the number of tokens in the input messages or the completion to fit "
+                "within the limit."
+            )
+
     def submit(self, item: dict[str, Any]) -> GenRequest:
         if self.released_tags:
             # SGLang has no KV cache / weights to run on after release_memory_occupation.
@@ -189,6 +208,7 @@ class Engine(ABC):
         # assert in the embedding); the fake refuses them as the client error they are.
         if vocab and any(t < 0 or t >= vocab for t in prompt_ids):
             raise BadRequest(f"input_ids out of range for vocab size {vocab}")
+        self._check_context(prompt_ids, item.get("sampling_params") or {})
         if item["rid"] in self.requests:
             raise BadRequest(f"Duplicate request ID: {item['rid']}")
         gen = torch.Generator()

@@ -40,6 +40,23 @@ def hf_config(engine: Engine, model_path: str | None) -> dict[str, Any]:
         return {}
 
 
+# python/sglang/srt/utils/hf_transformers/common.py `CONTEXT_LENGTH_KEYS`, in SGLang's order of preference
+_CONTEXT_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings")
+
+
+def context_length(config: dict[str, Any], override: int | None = None) -> int | None:
+    """The context length SGLang serves a model with: `--context-length`, else `get_context_length(hf_config)`
+    (common.py): the first of `_CONTEXT_KEYS`, times the rope-scaling factor unless the scaling keeps the
+    original length. None for a config that names none (the synthetic engine has no model)."""
+    if override:
+        return int(override)
+    scaling = config.get("rope_scaling") or {}
+    factor = scaling.get("factor", 1) if isinstance(scaling, dict) else 1
+    if "original_max_position_embeddings" in scaling or scaling.get("rope_type") == "llama3":
+        factor = 1
+    return next((int(factor * config[k]) for k in _CONTEXT_KEYS if config.get(k) is not None), None)
+
+
 def embedding_plan(server_args: dict[str, Any]) -> dict[str, Any]:
     """configs/embedding_model_spec.py `resolved_embedding_plan` for a causal LM (the NONE spec that
     `resolve_embedding_model_spec` gives unknown architectures) with the recorded server's prefill-graph defaults."""
@@ -106,7 +123,7 @@ def register_info_routes(app: web.Application, engine: Engine, state: dict[str, 
         # http_server.py `available_models`: a ModelList of one ModelCard (openai/protocol.py)
         sa = state["server_args"]
         name = str(sa.get("served_model_name") or sa.get("model_path") or "default")
-        ctx = hf_config(engine, sa.get("model_path")).get("max_position_embeddings")
+        ctx = engine.context_len  # the tokenizer manager's model_config.context_len
         card = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "sglang", "root": name,
                 "parent": None, "max_model_len": ctx}  # fmt: skip
         return web.json_response({"object": "list", "data": [card]})
