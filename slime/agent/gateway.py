@@ -42,6 +42,7 @@ DEFAULT_MAX_NEW_TOKENS = 4096
 FINISH_WAIT_S = 5.0
 PREPARE_WORKERS = 2
 BODY_TIMEOUT_S = 60.0
+INLINE_PLAN_CHARS = 4096  # ~2 ms of tokenizing at most
 MAX_SESSION_REQUESTS = 16  # Claude Code runs a handful of sub-agents at once; more is a client gone wrong
 
 
@@ -262,8 +263,12 @@ class Gateway:
             if last is not None and last.rid and last.hashes == req.hashes and last.tools_hash == req.tools_hash:
                 logger.debug("session %s: request repeats turn %s, answered from its record", sid, last.rid)
                 return chain_id, [], last
-            try:  # in a thread: the tokenizer releases the GIL, so other sessions go on meanwhile
-                action, prompt_ids = await asyncio.to_thread(self.builder.plan, last, req)
+            try:  # a long prompt in a thread (the tokenizer releases the GIL: other sessions go on meanwhile);
+                # a short one here, where a thread would cost more than it saves (its hop, the GIL handed back)
+                if len(req.text) > INLINE_PLAN_CHARS:
+                    action, prompt_ids = await asyncio.to_thread(self.builder.plan, last, req)
+                else:
+                    action, prompt_ids = self.builder.plan(last, req)
             except BadRequest:
                 raise
             except Exception as e:  # the chat template rejected the messages (e.g. roles out of order)

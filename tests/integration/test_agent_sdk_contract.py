@@ -283,7 +283,15 @@ def test_anthropic_stream_tools_thinking_signature(stack: Stack) -> None:
     assert tool_response_masked(stack, samples[0])
 
 
-def test_sse_disconnect_aborts_engine_request(stack: Stack) -> None:
+def test_sse_disconnect_aborts_engine_request(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    started: set[str] = set()
+    generate = stack.gw.engine.generate
+
+    async def recording_generate(*a: Any, rid: str, **kw: Any) -> Any:
+        started.add(rid)
+        return await generate(*a, rid=rid, **kw)
+
+    monkeypatch.setattr(stack.gw.engine, "generate", recording_generate)
     sess = stack.session()
     body = {"model": "m", "max_tokens": 4000, "stream": True, "messages": [{"role": "user", "content": "SLOW"}]}
     headers = {"x-api-key": sess["api_key"], "anthropic-version": "2023-06-01"}
@@ -294,10 +302,16 @@ def test_sse_disconnect_aborts_engine_request(stack: Stack) -> None:
                 if line.startswith("data:") and "message_start" in line:
                     rid = json.loads(line[5:])["message"]["id"].removeprefix("msg_")
                     break
+            # message_start goes out before the prompt is built: drop the stream only once the engine has the
+            # request (a drop before it leaves nothing to abort, and the test would prove nothing)
+            for _ in range(300):
+                if rid in started:
+                    break
+                run(asyncio.sleep(0.01))
+            assert rid in started, f"the engine never got {rid}"
     # dropped mid-response: the gateway must abort that engine request by rid
-    deadline = 300  # tenths of a second: the gateway learns of the drop at its next write, later on a loaded machine
     aborts: list[dict[str, Any]] = []
-    for _ in range(deadline):
+    for _ in range(300):  # tenths of a second
         recs = [json.loads(line) for line in stack.log.read_text().splitlines()]
         aborts = [r for r in recs if r["endpoint"] == "/abort_request" and r["body"].get("rid") == rid]
         if aborts:
