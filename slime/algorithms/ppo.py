@@ -3,20 +3,23 @@
 Conventions (docs/algorithms.md#ppo-and-gae):
 
 - **Values.** V_t is the critic's value of the state *before* response token t (read at the row of the token
-  before it, like the log-prob of token t). Values and token rewards are multiplied by the loss mask, so a
-  masked token (a tool's output, a removed sample) has V = 0 and r = 0; the recursion still runs through it.
+  before it, like the log-prob of token t).
 - **Token rewards** (`token_rewards`): r_t = −kl_coef · m_t · KL_t, plus the scalar reward R at the last
   *unmasked* response token (on a masked one the mask would erase it).
-- **GAE** (`gae`): δ_t = r_t + γ·V_{t+1} − V_t with V := 0 after the last token, A_t = Σ_l (γλ)^l δ_{t+l},
-  returns G_t = A_t + V_t. `gae` computes it as a chunked scan (a [C, C] matrix of (γλ) powers inside each chunk
-  of C tokens, one carry from chunk to chunk, right to left), which equals the per-token recursion.
+- **Action tokens only.** Tokens with loss mask 0 inside a response (a tool's or environment's output) are not
+  actions: GAE skips them, so the action token before a tool span bootstraps directly from the value of the
+  first action token after it (verl 0.9.1's `compute_gae_advantage_return`). Their advantages and returns are 0.
+- **GAE** (`gae`, over a sample's action tokens a_1 < … < a_n): δ_i = r_{a_i} + γ·V_{a_{i+1}} − V_{a_i} with
+  V := 0 after the last action, A_i = Σ_l (γλ)^l δ_{i+l}, returns G = A + V. `gae` computes it as a chunked scan
+  (a [C, C] matrix of (γλ) powers inside each chunk of C tokens, one carry from chunk to chunk, right to left),
+  which equals the per-token recursion.
 - **Variable-size groups.** The segments of one trajectory (a fan-out group) are *one long sample*: their
-  responses are concatenated in batch order, so the last token of a segment bootstraps from the first value
-  and advantage of the next segment, and only the last segment's last unmasked token carries the trajectory's
-  reward (the rollout side puts it there: `slime.algorithms.advantages.normalize_rewards_from_args`). Segments
-  of one group may sit on different micro-batches and DP ranks; each segment's dependence on its successors is
-  one affine carry c (its last token gets + c, token t gets + (γλ)^(L−1−t)·c), so ranks exchange one small
-  summary per sample over "dp" and each resolves every chain (`resolve_segment_carries`).
+  responses are concatenated in batch order, so the last action of a segment bootstraps from the first action's
+  value and advantage in the segments after it, and only the last segment's last unmasked token carries the
+  trajectory's reward (the rollout side puts it there: `slime.algorithms.advantages.normalize_rewards_from_args`).
+  Segments of one group may sit on different micro-batches and DP ranks; each segment's dependence on its
+  successors is one affine carry c (its last action gets + c, the action k before it + (γλ)^k·c), so ranks
+  exchange one small summary per sample over "dp" and each resolves every chain (`resolve_segment_carries`).
 - **Value loss** (`value_loss`): V_clip = V_old + clamp(V − V_old, −ε, ε), loss_t = max((V_clip − G)², (V − G)²)
   (no ½), reduced like every other loss (one token mean per group); `value_clipfrac` counts |V − V_old| > ε.
 """
@@ -147,10 +150,17 @@ def _gather_full(
     return [t.to(F64) for t in gather_response_over_cp(parts, totals, resps, ps)]
 
 
+def _scatter(x: torch.Tensor, idx: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(like, dtype=F64)
+    out[idx] = x.to(device=out.device, dtype=F64)
+    return out
+
+
 def ppo_advantages(
     args: Any, batch: dict[str, Any], ps: ParallelState | None = None, *, kl_coef: float | None = None
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """GAE advantages and returns for one rank's samples (CP-local float32 lists), segments chained over DP.
+    """GAE advantages and returns over action tokens for one rank's samples (CP-local float32 lists), segments
+    chained over DP; masked tokens get 0.
 
     `batch` holds per-sample lists over *all* the rank's samples (not one micro-batch): `rewards`,
     `loss_masks` (full response masks), `total_lengths`, `response_lengths`, `values` (CP-local, the
@@ -175,9 +185,15 @@ def ppo_advantages(
     else:
         kl = [torch.zeros_like(m) for m in masks]
     rewards = token_rewards([float(r) for r in batch["rewards"]], kl, masks, kl_coef)
-    adv = gae(rewards, values, float(args.gamma), float(args.lambd))
-    adv = _chain_segments(adv, values, batch, ps, float(args.gamma), float(args.lambd))
-    returns = [a + v for a, v in zip(adv, values, strict=True)]
+    # GAE over action tokens only: compress each response to its unmasked tokens, scatter the result back
+    actions = [torch.nonzero(m, as_tuple=True)[0] for m in masks]
+    act_values = [v[i] for v, i in zip(values, actions, strict=True)]
+    act_adv = gae(
+        [r[i] for r, i in zip(rewards, actions, strict=True)], act_values, float(args.gamma), float(args.lambd)
+    )
+    act_adv = _chain_segments(act_adv, act_values, batch, ps, float(args.gamma), float(args.lambd))
+    adv = [_scatter(a, i, m) for a, i, m in zip(act_adv, actions, masks, strict=True)]
+    returns = [_scatter(a + v, i, m) for a, v, i, m in zip(act_adv, act_values, actions, masks, strict=True)]
 
     def local(xs: list[torch.Tensor]) -> list[torch.Tensor]:
         return [slice_response_for_cp(x, t, r, cp_size, cp_rank).float() for x, t, r in zip(xs, totals, resps, strict=True)]  # fmt: skip

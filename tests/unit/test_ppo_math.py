@@ -61,6 +61,24 @@ def test_two_segments_are_one_long_sample():
     torch.testing.assert_close(adv[0], t(-0.2, -0.4).float())  # δ = [0.4 − 0.2, 0 − 0.4], A0 = 0.2 − 0.4
 
 
+def test_a_tool_span_is_skipped_the_action_before_it_bootstraps_from_the_one_after():
+    # actions at 0 and 3, tokens 1-2 are tool output (mask 0; their values 9 must not matter)
+    # δ_3 = 1 − 0.7 = 0.3, A_3 = 0.3; δ_0 = 0.99·0.7 − 0.5 = 0.193, A_0 = 0.193 + 0.99·0.95·0.3 = 0.47515
+    args = default_args(advantage_estimator="ppo", gamma=0.99, lambd=0.95)
+    batch = {
+        "loss_masks": [[1, 0, 0, 1]],
+        "total_lengths": [6],
+        "response_lengths": [4],
+        "rewards": [1.0],
+        "values": [t(0.5, 9.0, 9.0, 0.7)],
+        "batch_positions": [0],
+        "next_segments": [-1],
+    }
+    adv, ret = ppo_advantages(args, batch)
+    torch.testing.assert_close(adv[0], t(0.47515, 0.0, 0.0, 0.3).float())
+    torch.testing.assert_close(ret[0], t(0.97515, 0.0, 0.0, 1.0).float())
+
+
 def test_an_empty_segment_passes_its_successor_through():
     args = default_args(advantage_estimator="ppo", gamma=1.0, lambd=1.0)
     batch = {
