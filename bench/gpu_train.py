@@ -1,9 +1,10 @@
 """Training-step throughput (MFU) of slime's megatron-core model on one GPU (bf16, packed THD batches, SDPA core
 attention, megatron's distributed optimizer).
 
-MFU = (6·N·T + 6·L·H·s·T) / (step time · peak): 6 FLOPs per parameter and token for forward + backward, plus
-causal attention over packed samples of length s; peak 989e12 (H100/H200 dense bf16), the hardware floor the
-table's ratio is taken against. A step is `--micro-batches` packed micro-batches of `--seq` tokens (gradient
+MFU = (6·(N − V·h)·T + 6·L·h·s·T) / (step time · peak), matmul FLOPs only (`bench/mfu.py`: the input embedding is a
+lookup, not a matmul): 6 FLOPs per matmul parameter and token for forward + backward, plus causal attention over
+packed samples of length s; peak 989e12 (H100/H200 dense bf16), the hardware floor the table's ratio is taken
+against; tokens/s beside it. A step is `--micro-batches` packed micro-batches of `--seq` tokens (gradient
 accumulation) and one optimizer step. The Adam implementation is compared: torch's `foreach` AdamW (what
 megatron-core falls back to without TransformerEngine/Apex) and torch's `fused` AdamW (the trainer's).
 
@@ -36,14 +37,8 @@ from typing import Any
 
 import torch
 
+from bench.mfu import PEAK, SHAPES, train_flops
 from slime.utils.http_utils import find_free_port
-
-PEAK = 989e12
-SHAPES = {
-    # Qwen2-shaped models (hidden, layers, heads, kv heads, ffn, vocab)
-    "1.8B": (2048, 24, 16, 16, 5504, 151936),
-    "0.5B": (1024, 24, 16, 16, 2816, 151936),
-}
 
 
 def use_adam(opt: Any, impl: str) -> None:
@@ -156,8 +151,7 @@ def run(model_name: str, adam: str, micro_batches: int, a: argparse.Namespace, v
     t = sorted(times)[len(times) // 2]
     fwd_bwd, opt_t = (sorted(x)[len(x) // 2] for x in zip(*phases, strict=True))
     tokens = seq * micro_batches
-    # attention FLOPs of packed causal samples: 6·L·H·s·T with s the per-sample length
-    flops = 6 * n_params * tokens + 6 * layers * hidden * per * tokens
+    flops = train_flops(n_params, vocab=vocab, hidden=hidden, layers=layers, sample_len=per, tokens=tokens)
     row = {"model": model_name, "variant": variant, "loss": loss, "adam": adam, "micro_batches": micro_batches, "params": n_params, "seq": seq,
            "samples_per_mb": samples_per_mb, "step_s_median": t, "tokens_per_s": tokens / t,
            "mfu": flops / t / PEAK, "gpu": torch.cuda.get_device_name(),
