@@ -48,12 +48,23 @@ def main(argv: list[str] | None = None) -> int:
             from slime.utils.console import configure_driver
 
             configure_driver(args.log_level)
+            if args.max_restarts:  # a supervisor of fresh driver processes (slime/ray/restarts.py)
+                from slime.ray.restarts import supervise
+
+                return supervise(rest, args)
+            from slime.ray.actor_faults import ActorFault
+            from slime.ray.restarts import EXIT_FAULT
             from slime.train import train
 
             try:
                 train(args)
             except SlimeArgError:
                 raise
+            except ActorFault as e:  # one line: the actor, the fault, the checkpoint to resume from
+                if os.environ.get("SLIME_DEBUG"):
+                    raise
+                print(f"slime: error: {e.line()}", file=sys.stderr)
+                return EXIT_FAULT
             except KeyboardInterrupt:  # a stop asked for (Ctrl-C, or a driving script): the run was shut down
                 print("slime: interrupted; every process of the run was stopped", file=sys.stderr)
                 return 130

@@ -40,10 +40,54 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--ray-address", default=None, help="join an existing Ray cluster (e.g. auto) instead of starting one"
     )
+    add_fault_arguments(p)
+
+
+def add_fault_arguments(p: argparse.ArgumentParser) -> None:
+    """How a run meets a dead or hung actor (slime/ray/actor_faults.py, slime/ray/restarts.py)."""
+    g = p.add_argument_group("actor faults")
+    g.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart the whole job from its newest complete checkpoint after a dead or hung actor, at most N "
+        "times (needs --save); 0: the run ends with one line naming the actor, the fault and the checkpoint",
+    )
+    g.add_argument(
+        "--train-hang-timeout",
+        type=float,
+        default=None,
+        help="seconds a train rank's step, save or weight sync may take before the rank counts as hung (default: "
+        "no bound)",
+    )
+    g.add_argument(
+        "--rollout-hang-timeout",
+        type=float,
+        default=None,
+        help="seconds a RolloutManager call (a rollout, an eval, its save) may take before it counts as hung "
+        "(default: no bound; agent rollouts can take an hour)",
+    )
+
+
+def validate_fault_args(args: argparse.Namespace) -> None:
+    if args.max_restarts < 0:
+        raise SlimeArgError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    for name in ("train_hang_timeout", "rollout_hang_timeout"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise SlimeArgError(f"--{name.replace('_', '-')} must be > 0 seconds, got {value}")
+    if args.max_restarts and not args.save and not args.megatron_config:
+        raise SlimeArgError("--max-restarts needs --save: a restart resumes from the newest complete checkpoint")
+    if args.max_restarts and args.start_rollout_id is not None:
+        raise SlimeArgError(
+            "--max-restarts resumes each restart at its checkpoint's rollout; drop --start-rollout-id (it would "
+            "replay from the same rollout every time)"
+        )
 
 
 def validate_cluster_args(args: argparse.Namespace) -> None:
     """Colocation and offload defaults (--colocate turns both offloads on), debug-rollout-only sizing."""
+    validate_fault_args(args)
     env = args.train_env_vars
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise SlimeArgError('--train-env-vars must be a JSON object of strings, e.g. \'{"NCCL_DEBUG": "INFO"}\'')

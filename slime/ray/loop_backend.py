@@ -23,6 +23,7 @@ import time
 from argparse import Namespace
 from typing import Any
 
+from slime.ray.actor_faults import await_within
 from slime.ray.run_start import report_startup
 from slime.ray.train_group import TrainGroup
 from slime.scheduling.loop import LoopBackend
@@ -57,21 +58,26 @@ class RayLoopBackend(LoopBackend):
         self._step: dict[str, float] = {}  # this step's metrics from the calls
         self._rollout_metrics: dict[str, float] = {}
 
+    async def _ask(self, method: str, *args: Any) -> Any:
+        """A RolloutManager call, bounded by --rollout-hang-timeout (slime/ray/actor_faults.py)."""
+        ref = getattr(self.manager, method).remote(*args)
+        return await await_within(ref, self.args.rollout_hang_timeout, "rollout_manager", method)
+
     # ---- rollouts ----------------------------------------------------------------------------------------
     async def rollout(self, rollout_id: int) -> None:
-        await self.manager.rollout.remote(rollout_id)
+        await self._ask("rollout", rollout_id)
 
     async def train_data(self, rollout_id: int) -> Any:
-        return self._received(rollout_id, *await self.manager.train_data.remote(rollout_id))
+        return self._received(rollout_id, *await self._ask("train_data", rollout_id))
 
     async def start_producer(self, rollout_id: int) -> None:
-        await self.manager.start_producer.remote(rollout_id)
+        await self._ask("start_producer", rollout_id)
 
     async def consume(self, rollout_id: int) -> Any:
-        return self._received(rollout_id, *await self.manager.consume.remote(rollout_id))
+        return self._received(rollout_id, *await self._ask("consume", rollout_id))
 
     async def stop_producer(self) -> None:
-        await self.manager.stop_producer.remote()
+        await self._ask("stop_producer")
 
     def _received(self, rollout_id: int, rank_refs: Any, metrics: dict | None) -> Any:
         """The trainer's batch (None under --debug-rollout-only); its rollout metrics are logged now."""
@@ -81,20 +87,20 @@ class RayLoopBackend(LoopBackend):
         return rank_refs
 
     async def evaluate(self, rollout_id: int) -> None:
-        out = await self.manager.eval.remote(rollout_id)
+        out = await self._ask("eval", rollout_id)
         if out:
             self.tracker.log(out, step=rollout_id, kind="eval")
             self.last_eval.update(out)
 
     # ---- colocated engines -------------------------------------------------------------------------------
     async def release_engines(self) -> None:
-        await self.manager.offload.remote()
+        await self._ask("offload")
 
     async def resume_engine_weights(self) -> None:
-        await self.manager.onload.remote(["weights"])
+        await self._ask("onload", ["weights"])
 
     async def resume_engine_cache(self) -> None:
-        await self.manager.onload.remote(["kv_cache", "cuda_graph"])
+        await self._ask("onload", ["kv_cache", "cuda_graph"])
 
     # ---- training ----------------------------------------------------------------------------------------
     async def train(self, rollout_id: int, batch: Any, keep_weights: bool) -> None:
@@ -108,7 +114,7 @@ class RayLoopBackend(LoopBackend):
         root = self.args.save
         tmp = checkpoint_dirs.begin_save(root, rollout_id)
         await asyncio.to_thread(self.trainer.save, tmp, rollout_id)
-        await self.manager.save.remote(rollout_id, tmp)  # data source, buffers, carry-over, pending rollouts
+        await self._ask("save", rollout_id, tmp)  # data source, buffers, carry-over, pending rollouts
         checkpoint_dirs.finish_save(root, rollout_id, {"rollout_id": rollout_id, "time": time.time()})
 
     async def save_hf(self, rollout_id: int) -> None:
@@ -117,13 +123,13 @@ class RayLoopBackend(LoopBackend):
     async def sync_weights(self, version: int) -> None:
         """Engines held (fully async: generation paused, requests interrupted), weights pushed, generation
         continues at `version`."""
-        engines = await self.manager.lock_weight_sync_engines.remote()
+        engines = await self._ask("lock_weight_sync_engines")
         pushed = None
         try:
             out = await asyncio.to_thread(self.trainer.update_weights, engines, version)
             pushed = version
         finally:
-            await self.manager.unlock_weight_sync_engines.remote(pushed)
+            await self._ask("unlock_weight_sync_engines", pushed)
         self._step.update(out)
 
     # ---- reporting -----------------------------------------------------------------------------------------

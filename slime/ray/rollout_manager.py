@@ -26,6 +26,7 @@ from slime.rollout.data_source import call_with_checkpoint_dir
 from slime.scheduling.carry import CarryBuffer
 from slime.scheduling.fully_async import filter_stale_groups
 from slime.scheduling.staleness import staleness_metrics
+from slime.utils import faults
 from slime.utils.atomic import atomic_open
 from slime.utils.console import configure_actor
 from slime.utils.misc import load_function
@@ -118,6 +119,7 @@ class RolloutManager:
             return []
         self.servers.recover()
         self.servers.pause_health_monitor()
+        faults.inject("rollout_manager", "weight_sync")  # engines held for a sync that never comes
         return self.servers.weight_sync_engines()
 
     def unlock_weight_sync_engines(self, version: int | None = None) -> None:
@@ -177,6 +179,7 @@ class RolloutManager:
             samples = self._load_dump(rollout_id)
         else:
             out = call_rollout_fn(self.rollout_fn, self.args, rollout_id, self.data_source, evaluation=False)
+            faults.inject("rollout_manager", "rollout")  # generated, not yet kept: the groups exist nowhere else
             extra.update(out.metrics or {})
             # --max-weight-staleness outside --fully-async: groups --partial-rollout recycled may carry old tokens
             groups, _, stale = filter_stale_groups(
@@ -206,6 +209,7 @@ class RolloutManager:
         """The next `--rollout-batch-size` finished groups within the staleness bound, as train data."""
         t0 = time.perf_counter()
         groups, metrics = self.fully_async.consume(rollout_id)
+        faults.inject("rollout_manager", "rollout")
         if path := self.args.rollout_sample_filter_path:
             load_function(path)(self.args, groups)
         return self._to_train_data(rollout_id, rollout_samples(groups), metrics, time.perf_counter() - t0)
@@ -278,6 +282,7 @@ class RolloutManager:
             self.fully_async.save(rollout_id, rollout_dir)  # with the data source, in one step of its loop
         elif self.data_source is not None:
             call_with_checkpoint_dir(self.data_source.save, rollout_id, rollout_dir)
+        faults.inject("rollout_manager", "save")  # the data source's part written, the carry-over not
         with atomic_open(os.path.join(rollout_dir, f"carry_{rollout_id}.json")) as f:
             json.dump(self.carry.state_dict(), f)
         if self._pending:  # the one-step-ahead loop saves rollout k while rollout k+1, generated, waits to train

@@ -14,6 +14,7 @@ from argparse import Namespace
 import ray
 
 from slime.backends.megatron.roles import role_args
+from slime.ray.actor_faults import fault_of
 from slime.ray.loop_backend import RayLoopBackend
 from slime.ray.placement import create_placement_group
 from slime.ray.rollout_manager import RolloutManager
@@ -31,7 +32,7 @@ def run(args: Namespace, startup: dict[str, float], t_start: float) -> dict:
     """Run the job on the Ray cluster `init_ray` started or joined; returns the summary (per-rollout train
     hashes and metrics, the loop's events, server info, the actor's offload events) for scripts and tests."""
     actor_args = role_args(args, "actor")  # the actor's checkpoint dirs (--megatron-config may override them)
-    manager = None
+    manager = trainer = None
     tracker = Tracker(args)
     summary: dict = {"hashes": {}, "metrics": {}, "events": [], "server_info": None, "train_status": None}
     try:
@@ -62,6 +63,14 @@ def run(args: Namespace, startup: dict[str, float], t_start: float) -> dict:
         summary["offload_events"] = trainer.offload_events()
         if backend.last_eval:
             logger.info("final eval: %s", step_line({}, backend.last_eval))
+    except Exception as e:
+        fault = fault_of(e, trainer, manager, summary["events"], actor_args.save)
+        if fault is None:
+            raise
+        fault.write(args.metrics_dir)  # for the restart supervisor (slime/ray/restarts.py)
+        if fault.actor == "rollout_manager":
+            manager = None  # dead or hung: it cannot dispose of its servers; they go with ray.shutdown
+        raise fault from e
     finally:
         shut_down(manager, tracker)
     summary_path = write_summary(args, summary)

@@ -23,11 +23,13 @@ from typing import Any
 import ray
 
 from slime.backends.train_backend import RankPlace, train_backend_class
+from slime.utils import faults
 from slime.utils.console import configure_actor
 from slime.utils.http_utils import node_address
 from slime.utils.process import forks_die_with_this_process
 
 logger = logging.getLogger(__name__)
+FAULT_POINTS = {"save": "save", "update_weights": "weight_sync"}  # backend calls -> fault points
 
 
 def hash_train_data(data: dict[str, Any]) -> str:
@@ -46,6 +48,7 @@ class TrainRayActor:
         self.log_path = configure_actor(args.log_level, args.metrics_dir, name)
         self.args = args
         self.role = role
+        self._fault_kind = "train" if role == "actor" else role  # slime/utils/faults.py
         self.rank = rank
         self.world_size = world_size
         self.node_ip = node_address()
@@ -82,11 +85,15 @@ class TrainRayActor:
             self.role, self.rank, rollout_id, len(data.get("tokens", [])), digest[:12],
         )  # fmt: skip
         metrics, handed_on = self.backend.train(rollout_id, data, values, keep_weights)
+        faults.inject(self._fault_kind, "train_step")  # weights stepped, the driver not told: the worst moment
         return (digest, metrics), handed_on
 
     def call(self, method: str, *args: Any) -> Any:
         """Any other `TrainBackend` call, as it is (save, save_hf, update_weights, parallel_config, ...)."""
-        return getattr(self.backend, method)(*args)
+        out = getattr(self.backend, method)(*args)
+        if method in FAULT_POINTS:
+            faults.inject(self._fault_kind, FAULT_POINTS[method])  # done here, not yet reported: mid-save, mid-sync
+        return out
 
     def status(self) -> dict[str, Any]:
         dist_initialized = False

@@ -18,6 +18,7 @@ from typing import Any
 import ray
 
 from slime.backends.megatron.roles import role_args
+from slime.ray.actor_faults import get_within
 from slime.ray.placement import Placement
 from slime.ray.train_actor import TrainRayActor
 from slime.utils import checkpoint_dirs
@@ -76,7 +77,12 @@ class TrainGroup:
 
     def _call(self, role: str, method: str, *args: Any) -> list[Any]:
         """`TrainBackend.method(*args)` on every rank of `role`; their answers in rank order."""
-        return ray.get([a.call.remote(method, *args) for a in self.ranks[role]])
+        return self._get(role, [a.call.remote(method, *args) for a in self.ranks[role]], method)
+
+    def _get(self, role: str, refs: list[Any], call: str) -> list[Any]:
+        """The ranks' answers; a dead rank raises at once, a rank late by --train-hang-timeout as hung."""
+        names = [f"train_rank{i}" if role == "actor" else f"{role}_rank{i}" for i in range(len(refs))]
+        return get_within(refs, self.args.train_hang_timeout, names, call)
 
     # ---- start-up -------------------------------------------------------------------------------------------
     def init(self, resume: tuple[int, str] | None) -> int:
@@ -127,12 +133,12 @@ class TrainGroup:
         values = None
         if "critic" in self.ranks:
             stat_refs, values = self._start_train("critic", rollout_id, rank_data_refs, None, False)
-            stats = ray.get(stat_refs)
+            stats = self._get("critic", stat_refs, "train")
             metrics = with_rank_memory([m for _, m in stats])
             if rollout_id < self.args.num_critic_only_steps:
                 return [h for h, _ in stats], {**metrics, "train/critic_only": 1.0}
         stat_refs, _ = self._start_train("actor", rollout_id, rank_data_refs, values, keep_weights)
-        stats = ray.get(stat_refs)
+        stats = self._get("actor", stat_refs, "train")
         return [h for h, _ in stats], {**metrics, **with_rank_memory([m for _, m in stats])}
 
     def save(self, path: str, rollout_id: int) -> None:
