@@ -1,6 +1,7 @@
 """Does fully-async training pay on a long-tailed workload, and what does the staleness bound cost?
 
     .venv/bin/python -m bench.async_vs_sync [--horizon 3600] [--seed 0] [--out-json ...] [--png ...]
+    .venv/bin/python -m bench.async_vs_sync --in-flight-table --workload bimodal|agent|long_tail [-k 2]
 
 Runs the scheduling simulator (`sim/scheduling`: slime's own loop driver, rollout function, fully-async producer,
 buffer and staleness filter against simulated engines and a simulated trainer, on a virtual clock) for one
@@ -9,6 +10,11 @@ bounds k = 1, 2, 4 and unbounded. The workload is `sim/workloads/long_tail.py`'s
 docs/async.md); fully async keeps 3 x the engines' slots of samples in flight (`--async-max-concurrent-samples`:
 a group holds its slots until its slowest sample ends, so whole-group accounting needs headroom to keep slots
 busy).
+
+`--in-flight-table` compares weight syncs drained (SGLang's `abort` pause: every request is cut and resumed,
+prefilling its context again) with in flight (`--update-weights-in-flight`, the `in_place` pause) at one bound
+k, under the `retry` and the per-token `mask` rule, on one of `sim/workloads/long_tail.py`'s workloads; it
+writes `bench/results/in_flight_<workload>.json` and no plot.
 
 Prints the table first, then writes the JSON and the plot of throughput against k. A bench, not a test: it
 never asserts; the numbers are deterministic for a seed and do not depend on the machine.
@@ -49,6 +55,39 @@ def configs(horizon: float, in_flight: int, handler: str) -> list[Any]:
             )
         )  # fmt: skip
     return out
+
+
+def in_flight_configs(horizon: float, in_flight: int, k: int) -> list[Any]:
+    from sim.scheduling.run import SimConfig
+
+    out = [SimConfig("sync", horizon_s=horizon)]
+    for handler in ("retry", "mask"):
+        for live in (False, True):
+            out.append(
+                SimConfig(
+                    "fully_async", max_staleness=k, unused_handler=handler, max_concurrent_samples=in_flight,
+                    horizon_s=horizon, in_flight=live,
+                )
+            )  # fmt: skip
+    return out
+
+
+def in_flight_table(rows: list[dict[str, Any]]) -> str:
+    sync = next(r for r in rows if r["mode"] == "sync")
+    head = (
+        f"{'schedule':<36} {'samples/s':>9} {'x sync':>7} {'trained tok/s':>13} {'x sync':>7} "
+        f"{'prefill/trained tok':>19} {'wasted':>7} {'masked':>7} {'dropped':>7} {'retried':>7} {'aborted':>7}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['label']:<36} {r['samples_per_s']:>9.3f} {r['samples_per_s'] / sync['samples_per_s']:>6.2f}x "
+            f"{r['trained_tokens_per_s']:>13.0f} {r['trained_tokens_per_s'] / sync['trained_tokens_per_s']:>6.2f}x "
+            f"{r['prefill_per_trained_token']:>19.2f} {r['wasted_token_fraction']:>7.1%} "
+            f"{r['masked_token_fraction']:>7.1%} {r['dropped_groups']:>7} {r['retried_groups']:>7} "
+            f"{r['aborted_groups']:>7}"
+        )
+    return "\n".join(lines)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -108,22 +147,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--handler", choices=["retry", "drop"], default="retry", help="--async-unused-samples-handler")
     p.add_argument("--in-flight", type=int, default=None, help="fully-async samples in flight (default 3 x slots)")
-    p.add_argument("--out-json", default=str(ROOT / "bench" / "results" / "async_vs_sync.json"))
+    p.add_argument("--workload", choices=["long_tail", "bimodal", "agent"], default="long_tail")
+    p.add_argument("--in-flight-table", action="store_true", help="drained vs in-flight weight syncs at bound -k")
+    p.add_argument("-k", type=int, default=2, help="the staleness bound of --in-flight-table")
+    p.add_argument("--out-json", default=None, help="default: bench/results/async_vs_sync.json or in_flight_<w>")
     p.add_argument("--png", default=str(ROOT / "docs" / "img" / "async_vs_sync.png"))
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("slime").setLevel(logging.WARNING)  # one line per simulated rollout would bury the table
     from sim.scheduling.run import simulate
-    from sim.workloads.long_tail import DEFAULT
+    from sim.workloads.long_tail import WORKLOADS
 
-    workload = DEFAULT.replace(seed=a.seed)
+    workload = WORKLOADS[a.workload].replace(seed=a.seed)
     in_flight = a.in_flight or 3 * workload.engines * workload.slots_per_engine
+    if a.out_json is None:
+        name = f"in_flight_{a.workload}.json" if a.in_flight_table else "async_vs_sync.json"
+        a.out_json = str(ROOT / "bench" / "results" / name)
+    todo = (
+        in_flight_configs(a.horizon, in_flight, a.k) if a.in_flight_table else configs(a.horizon, in_flight, a.handler)
+    )
     rows = []
     t0 = time.perf_counter()
-    for cfg in tqdm(configs(a.horizon, in_flight, a.handler), desc="schedules", file=sys.stderr):
+    for cfg in tqdm(todo, desc="schedules", file=sys.stderr):
         t1 = time.perf_counter()
         rows.append({**simulate(cfg, workload).report(), "wall_s": time.perf_counter() - t1})
-    print(table(rows), flush=True)
+    print(in_flight_table(rows) if a.in_flight_table else table(rows), flush=True)
     sync = next(r for r in rows if r["mode"] == "sync")["samples_per_s"]
     out = {
         "date": datetime.date.today().isoformat(),
@@ -138,6 +186,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     Path(a.out_json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out_json).write_text(json.dumps(out, indent=1) + "\n")
+    if a.in_flight_table:
+        logger.info("wrote %s (%.0f s)", a.out_json, out["wall_s"])
+        return out
     title = f"simulated {a.horizon / 3600:g} h, {workload.engines} engines x {workload.slots_per_engine} slots, seed {a.seed}"
     plot(Path(a.png), rows, title)
     logger.info("wrote %s and %s (%.0f s)", a.out_json, a.png, out["wall_s"])

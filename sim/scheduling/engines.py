@@ -7,6 +7,11 @@ advances at one token per decode step of `decode_step(running)` seconds, and the
 instead of stepping token by token. Prefill stalls the engine's batch for `prefill_per_token_s` per context
 token. Requests go to the least-loaded engine (running + waiting; the lowest index on a tie).
 
+Weight syncs, both ways SGLang pauses: `abort_all` (the default, drained: every request answers with its tokens
+so far and a resumed one prefills its whole context again) or `pause_in_place` (SGLang's `in_place`: requests
+stay in the batch with their KV cache, nothing decodes until `continue_generation`, and a request's tokens are
+split by the version they were decoded under: the exact per-token versions the real client can only bound).
+
 `generate` and `reward` are slime hooks (`--custom-generate-function-path`, `--custom-rm-path`): the simulator
 runs slime's own per-sample path (`generate_and_rm`: semaphore, abort flag, partial-rollout masking, reward)
 and only the `/generate` call itself is simulated. They find the running simulation through a context variable.
@@ -35,6 +40,7 @@ class _Request:
     context: int  # tokens to prefill when it joins the batch
     future: asyncio.Future
     done: float = 0.0  # tokens produced so far (fractional between events)
+    marks: list[tuple[int, int]] = field(default_factory=list)  # (version, tokens produced before it changed)
 
 
 class SimEngine:
@@ -48,6 +54,8 @@ class SimEngine:
         self.last = 0.0
         self.busy_slot_s = 0.0
         self.tokens = 0
+        self.prefill_tokens = 0  # context tokens prefilled (a drained sync's resumes prefill theirs again)
+        self.paused = False  # in place: requests kept, nothing decodes
         self._timer: asyncio.TimerHandle | None = None
 
     @property
@@ -60,6 +68,9 @@ class SimEngine:
     def _advance(self) -> None:
         now = self._now()
         n = len(self.running)
+        if self.paused:  # slots held, no decoding: not busy work
+            self.last = max(self.last, now)
+            return
         if now > self.last and n:
             self.busy_slot_s += n * (now - self.last)
             decoding = now - max(self.last, self.stall_until)
@@ -79,13 +90,16 @@ class SimEngine:
             else:
                 still.append(r)
         self.running = still
-        while self.waiting and len(self.running) < self.w.slots_per_engine:
-            r = self.waiting.popleft()
-            self.stall_until = max(now, self.stall_until) + self.w.prefill_per_token_s * r.context
-            self.running.append(r)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self.paused:
+            return
+        while self.waiting and len(self.running) < self.w.slots_per_engine:
+            r = self.waiting.popleft()
+            self.stall_until = max(now, self.stall_until) + self.w.prefill_per_token_s * r.context
+            self.prefill_tokens += r.context
+            self.running.append(r)
         if self.running:
             left = min(r.want - r.done for r in self.running)
             at = max(now, self.stall_until) + left * self.w.decode_step(len(self.running))
@@ -104,7 +118,19 @@ class SimEngine:
     def _resolve(self, r: _Request, tokens: int, finish: str) -> None:
         self.tokens += tokens
         if not r.future.done():
-            r.future.set_result((tokens, finish, self.version))
+            r.future.set_result((tokens, finish, self._spans(r, tokens)))
+
+    def _spans(self, r: _Request, tokens: int) -> list[tuple[int, int]]:
+        """(version, tokens) in order: the tokens decoded under each version this request saw."""
+        spans, before = [], 0
+        for version, upto in r.marks:
+            n = min(upto, tokens) - before
+            if n > 0:
+                spans.append((version, n))
+                before += n
+        if tokens - before > 0 or not spans:
+            spans.append((self.version, tokens - before))
+        return spans
 
     def submit(self, want: int, finish: str, context: int) -> _Request:
         r = _Request(want, finish, context, asyncio.get_running_loop().create_future())
@@ -134,9 +160,24 @@ class SimEngine:
         self._settle()
         return n
 
+    def pause_in_place(self) -> None:
+        self._advance()
+        self.paused = True
+        self._settle()
+
+    def continue_generation(self) -> None:
+        self._advance()
+        self.paused = False
+        self.stall_until = max(self.stall_until, self._now())
+        self._settle()
+
     def set_version(self, version: int) -> None:
-        if self.load:
-            raise RuntimeError(f"engine {self.index} loads weights with {self.load} requests in flight")
+        """Drained, the engine must be idle; paused in place, each kept request remembers where its tokens under
+        the old version end."""
+        if self.load and not self.paused:
+            raise RuntimeError(f"engine {self.index} loads weights with {self.load} requests running")
+        for r in [*self.running, *self.waiting]:
+            r.marks.append((self.version, math.floor(r.done + _EPS)))
         self.version = version
 
 
@@ -148,8 +189,8 @@ class EnginePool:
     def __post_init__(self) -> None:
         self.engines = [SimEngine(i, self.workload) for i in range(self.workload.engines)]
 
-    async def generate(self, want: int, finish: str, context: int) -> tuple[int, str, int]:
-        """(tokens produced, finish type, weight version) of one request on the least-loaded engine."""
+    async def generate(self, want: int, finish: str, context: int) -> tuple[int, str, list[tuple[int, int]]]:
+        """(tokens produced, finish type, [(weight version, tokens)]) of one request on the least-loaded engine."""
         engine = min(self.engines, key=lambda e: (e.load, e.index))
         r = engine.submit(want, finish, context)
         try:
@@ -166,6 +207,14 @@ class EnginePool:
         for e in self.engines:
             e.set_version(version)
 
+    def pause_in_place(self) -> None:
+        for e in self.engines:
+            e.pause_in_place()
+
+    def continue_generation(self) -> None:
+        for e in self.engines:
+            e.continue_generation()
+
     def settle_accounting(self) -> None:
         """Bring every engine's busy time up to now (before reading it)."""
         for e in self.engines:
@@ -178,6 +227,10 @@ class EnginePool:
     @property
     def tokens(self) -> int:
         return sum(e.tokens for e in self.engines)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(e.prefill_tokens for e in self.engines)
 
 
 # ---- slime hooks -----------------------------------------------------------------------------------------------
@@ -199,13 +252,15 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
     target = w.response_length(sample.index, int(sample.metadata.get(RETRIES_KEY, 0)))
     remaining = target - sample.response_length
     want, finish = (remaining, "stop") if remaining <= budget else (budget, "length")
-    n, finish, version = await sim.pool.generate(want, finish, prompt_len + sample.response_length)
+    n, finish, spans = await sim.pool.generate(want, finish, prompt_len + sample.response_length)
     sample.tokens = sample.tokens + [1] * n
     sample.response_length += n
     if sample.loss_mask is not None:
         sample.loss_mask = sample.loss_mask + [1] * n
-    meta = {"weight_version": str(version), "completion_tokens": n, "finish_reason": {"type": finish}}
-    sample.update_from_meta_info(args, meta)
+    sample.update_from_meta_info(args, {"finish_reason": {"type": finish}})
+    for version, k in spans:  # exact per-token versions (an in-flight answer may span several)
+        sample.weight_versions.append(str(version))
+        sample.weight_version_spans.append([str(version), k, True])
     return sample
 
 

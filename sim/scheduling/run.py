@@ -11,7 +11,8 @@ What is real and what is simulated:
 | the data source with its buffer, `generate_and_rm` (semaphore, masks, reward) | weight sync: a sleep |
 | the staleness rule, the sync/one-step stale filter, the flags' validation | |
 
-Modes: `sync`, `one_step`, `fully_async` (`--fully-async`, with `max_staleness` k), and `partial` (the sync loop
+Modes: `sync`, `one_step`, `fully_async` (`--fully-async`, with `max_staleness` k; `in_flight`: with
+`--update-weights-in-flight`, each sync pauses the engines in place instead of aborting), and `partial` (the sync loop
 with `--partial-rollout` and over-sampling: each rollout starts `over_sampling` × the batch and keeps the first
 that finish; the rest go back to the buffer with their tokens).
 """
@@ -58,6 +59,7 @@ class SimConfig:
     custom_buffer_path: str | None = None
     save_interval: int | None = None  # keep a checkpoint (what the RolloutManager saves) every N steps
     kill_at_s: float | None = None  # the run dies at this simulated time, wherever it is
+    in_flight: bool = False  # --update-weights-in-flight (fully async only)
 
     def __post_init__(self) -> None:
         if self.mode not in SIM_MODES:
@@ -67,8 +69,9 @@ class SimConfig:
     def label(self) -> str:
         if self.mode == "fully_async":
             k = "inf" if self.max_staleness is None else self.max_staleness
-            return f"fully_async k={k}" + (f" ({self.unused_handler})" if self.max_staleness is not None else "")
-        return self.mode
+            label = f"fully_async k={k}" + (f" ({self.unused_handler})" if self.max_staleness is not None else "")
+            return label + (", in flight" if self.in_flight else "")
+        return self.mode + (f" ({self.unused_handler})" if self.mode == "partial" and self.max_staleness else "")
 
 
 class _Horizon(Exception):
@@ -101,6 +104,7 @@ def sim_args(w: Workload, c: SimConfig) -> Any:
         args.async_max_concurrent_samples = c.max_concurrent_samples or w.engines * w.slots_per_engine
         args.async_data_buffer_capacity_factor = c.buffer_capacity_factor
         args.custom_async_data_buffer_path = c.custom_buffer_path
+        args.update_weights_in_flight = c.in_flight
     validate_async_args(args)
     check_schedule_combinations(args)
     return args
@@ -125,7 +129,9 @@ class Consumed:
     staleness: int
     samples: int
     tokens: int  # response tokens
-    span_versions: list[list[int]]  # per sample, the weight version of each answer in order
+    span_versions: list[list[int]]  # per sample, the weight version of each answer (or part of one) in order
+    trained_tokens: int = 0  # response tokens with loss mask 1
+    trained_versions: list[int] = field(default_factory=list)  # the versions of the trained spans
 
 
 @dataclass
@@ -139,6 +145,7 @@ class SimResult:
     trainer_busy_s: float = 0.0
     engine_busy_slot_s: float = 0.0
     generated_tokens: int = 0
+    prefill_tokens: int = 0
     stale_dropped: int = 0
     stale_retried: int = 0
     dropped_ids: list[int] = field(default_factory=list)
@@ -154,7 +161,9 @@ class SimResult:
     def report(self) -> dict[str, Any]:
         w, t = self.workload, max(self.sim_time_s, 1e-9)
         samples = sum(c.samples for c in self.consumed)
-        trained_tokens = sum(c.tokens for c in self.consumed)
+        kept_tokens = sum(c.tokens for c in self.consumed)
+        trained_tokens = sum(c.trained_tokens for c in self.consumed)
+        generated = max(self.generated_tokens, 1)
         return {
             "label": self.config.label,
             "mode": self.config.mode,
@@ -171,8 +180,16 @@ class SimResult:
             "dropped_groups": self.stale_dropped,
             "retried_groups": self.stale_retried,
             "aborted_groups": self.aborted_groups,
+            "in_flight": self.config.in_flight,
             "generated_tokens": self.generated_tokens,
-            "wasted_token_fraction": 1.0 - trained_tokens / max(self.generated_tokens, 1),
+            "trained_tokens": trained_tokens,
+            # generated and in no trained sample (regenerated, dropped, cut, or still in flight at the end)
+            "wasted_token_fraction": 1.0 - kept_tokens / generated,
+            # in a trained sample as context only (older than the bound under `mask`, or masked off-policy)
+            "masked_token_fraction": (kept_tokens - trained_tokens) / generated,
+            "prefill_tokens": self.prefill_tokens,
+            "prefill_per_trained_token": self.prefill_tokens / max(trained_tokens, 1),
+            "trained_tokens_per_s": trained_tokens / t,
         }
 
 
@@ -256,12 +273,13 @@ class SimBackend(LoopBackend):
         for group in batch:
             samples = flatten(group)
             spans = [[parse_version(v) for v, _, _ in s.weight_version_spans] for s in samples]
+            trained = [parse_version(v) for s in samples for v, n, on in s.weight_version_spans if on and n > 0]
             response = sum(s.response_length for s in samples)
             tokens += sum(len(s.tokens) for s in samples)
             self.result.consumed.append(
                 Consumed(
                     rollout_id, samples[0].group_index, group_staleness(group, rollout_id), len(samples), response,
-                    spans,
+                    spans, sum(s.effective_response_length for s in samples), trained,
                 )
             )  # fmt: skip
         t = self.w.train_time(tokens)
@@ -290,6 +308,15 @@ class SimBackend(LoopBackend):
         self.result.dropped_ids = list(ckpt["dropped"])
 
     async def sync_weights(self, version: int) -> None:
+        r = self.async_rollout
+        if r is not None and self.config.in_flight:  # SGLang's in_place pause: requests stay, decode stops
+            r.hold()
+            self.pool.pause_in_place()
+            await asyncio.sleep(self.w.weight_sync_s)
+            self.pool.set_version(version)
+            self.pool.continue_generation()
+            r.resume(version)
+            return
         if self.async_rollout is not None:
             await self.async_rollout.pause()
         await asyncio.sleep(self.w.weight_sync_s)
@@ -344,6 +371,7 @@ def simulate(config: SimConfig, workload: Workload = DEFAULT, resume: dict[str, 
         pool.settle_accounting()
         result.engine_busy_slot_s = pool.busy_slot_s
         result.generated_tokens = pool.tokens
+        result.prefill_tokens = pool.prefill_tokens
         ds = backend.data_source
         result.handed_out = ds.sample_group_index
         result.outstanding_ids += [flatten(g)[0].group_index for g in ds.buffer]

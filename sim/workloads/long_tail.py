@@ -15,6 +15,15 @@ The default describes a long chain-of-thought RL job of a ~7B model on 16 GPUs, 
   ~1.7M tokens ≈ 27 s, about 35% MFU for 7B on 8 H100-class GPUs.
 - **Weight sync**: 5 s, during which the engines serve nothing.
 
+Two more workloads (`WORKLOADS`, `bench/async_vs_sync.py --workload`):
+
+- **bimodal**: 90% short answers (median 768 tokens, σ 0.25) and a 10% tail twenty times longer (median
+  15,360), the held-out case of the in-flight issue: the tail outlives any small staleness bound.
+- **agent**: a multi-turn agent's late turns: the context the trajectory has reached (median 16,384 tokens,
+  σ 0.4, up to 32,768) and a turn's answer (median 1,024, σ 0.8, cap 8,192). Every request carries the whole
+  context, so a drained sync, whose resumed requests prefill it again, pays most there. Its trainer is 5x the
+  default's per token (3 µs: ~40 training GPUs), so that generation, not training 16k-token contexts, bounds it.
+
 Every sample's length is a pure function of (seed, sample index, attempt), so two schedules see the same
 samples and a run is reproducible; a group regenerated after a staleness retry draws new lengths.
 """
@@ -40,6 +49,8 @@ class Workload:
     response_sigma: float = 0.8
     response_min: int = 16
     max_new_tokens: int = 16384
+    tail_fraction: float = 0.0  # this share of answers draws its median `tail_factor` times longer
+    tail_factor: float = 20.0
     # prompts
     prompt_median: float = 512.0
     prompt_sigma: float = 0.3
@@ -62,7 +73,10 @@ class Workload:
     def response_length(self, index: int, attempt: int = 0) -> int:
         """The length sample `index` wants on its `attempt`-th generation (retries draw anew)."""
         rng = random.Random(f"response:{self.seed}:{index}:{attempt}")
-        return _lognormal(rng, self.response_median, self.response_sigma, self.response_min, self.max_new_tokens)
+        median = self.response_median
+        if self.tail_fraction and rng.random() < self.tail_fraction:
+            median *= self.tail_factor
+        return _lognormal(rng, median, self.response_sigma, self.response_min, self.max_new_tokens)
 
     def prompt_length(self, group_index: int) -> int:
         rng = random.Random(f"prompt:{self.seed}:{group_index}")
@@ -82,3 +96,15 @@ class Workload:
 
 
 DEFAULT = Workload()
+WORKLOADS = {
+    "long_tail": DEFAULT,
+    "bimodal": Workload(response_median=768.0, response_sigma=0.25, tail_fraction=0.1, max_new_tokens=32768),
+    "agent": Workload(
+        response_median=1024.0,
+        max_new_tokens=8192,
+        prompt_median=16384.0,
+        prompt_sigma=0.4,
+        prompt_max=32768,
+        train_per_token_s=0.000003,
+    ),
+}

@@ -58,6 +58,7 @@ def async_config(args: Any) -> AsyncConfig:
         max_in_flight_groups=max_samples // args.n_samples_per_prompt,
         max_staleness=args.max_weight_staleness,
         unused_handler=args.async_unused_samples_handler,
+        in_flight_updates=args.update_weights_in_flight,
     )
 
 
@@ -98,6 +99,7 @@ class FullyAsyncRollout:
     def start(self, rollout_id: int, engine_version: int) -> None:
         async def go() -> None:
             self.rollout.engine_version = engine_version
+            GenerateState.get(self.args).engine_version = engine_version
             self.rollout.start(rollout_id)
 
         run(go())
@@ -106,10 +108,22 @@ class FullyAsyncRollout:
         return run(self.rollout.consume(rollout_id))
 
     def pause(self) -> None:
-        run(self.rollout.pause())
+        """Before a weight sync or an eval. In flight (`--update-weights-in-flight`) the producer only stops
+        dispatching: the running requests stay, and the sync pauses the engines in place (`pause_mode`);
+        otherwise every request is interrupted first and its group resumes afterwards."""
+        if not self.args.update_weights_in_flight:
+            run(self.rollout.pause())
+            return
+
+        async def go() -> None:
+            self.rollout.hold()
+
+        run(go())
 
     def resume(self, engine_version: int | None = None) -> None:
         async def go() -> None:
+            if engine_version is not None:  # after the engines loaded it: a lower bound of what answers see next
+                GenerateState.get(self.args).engine_version = engine_version
             self.rollout.resume(engine_version)
 
         run(go())

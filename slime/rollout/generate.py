@@ -22,7 +22,7 @@ from slime.rollout.dataset import load_tokenizer
 from slime.rollout.model_scoring import attach_model_log_probs, needs_model_scoring
 from slime.rollout.model_urls import get_model_url
 from slime.rollout.rm_hub import async_rm, batched_async_rm
-from slime.scheduling.staleness import mark_context_only
+from slime.scheduling.staleness import bound_answer_version, mark_context_only
 from slime.utils.http_utils import get_session, post_json
 from slime.utils.misc import load_function
 from slime.utils.types import Sample, Status
@@ -115,6 +115,7 @@ class GenerateState:
         self.semaphore = asyncio.Semaphore(max(1, concurrency * max(1, num_gpus // per_engine)))
         self.sampling_params = base_sampling_params(args)
         self.aborted = False
+        self.engine_version: int | None = None  # the engines' weight version, as the fully-async producer knows it
         # prompt text -> token ids: the n samples of a prompt (and every eval round) tokenise it once
         self.encode = functools.lru_cache(maxsize=16384)(self._encode)
 
@@ -171,6 +172,7 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
     if "sampling_seed" not in params and (seed := sample.metadata.get("sampling_seed")) is not None:
         params["sampling_seed"] = seed
 
+    sent_under = state.engine_version if args.update_weights_in_flight else None
     payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
     key = sample.session_id if sample.session_id is not None else sample.group_index
     headers = {ROUTING_KEY_HEADER: str(key)} if key is not None else None
@@ -196,6 +198,7 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
     if sample.loss_mask is not None:
         sample.loss_mask = sample.loss_mask + [1] * len(new_ids)
     sample.update_from_meta_info(args, meta)
+    bound_answer_version(sample, sent_under)
     return sample
 
 
@@ -232,8 +235,8 @@ async def generate_and_rm(
                 params["sampling_seed"] = seed
             result = await _call_generate_fn(args, sample, params, evaluation)
 
-    if args.group_rm and not evaluation:
-        return result
+    if args.group_rm:
+        return result  # the group is scored as a whole (generate_and_rm_group), in training and evaluation alike
     samples = result if isinstance(result, list) else [result]
     if any(s.status == Status.ABORTED for s in samples):
         return result

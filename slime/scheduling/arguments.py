@@ -80,6 +80,7 @@ FULLY_ASYNC_ONLY = {
     "async_max_concurrent_samples": None,
     "async_data_buffer_capacity_factor": 2.0,
     "custom_async_data_buffer_path": None,
+    "update_weights_in_flight": False,
 }
 
 
@@ -118,9 +119,16 @@ def add_async_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--async-unused-samples-handler",
-        choices=["retry", "drop"],
+        choices=["retry", "drop", "mask"],
         default="retry",
-        help="a group over --max-weight-staleness: retry (its prompts are generated again, once) or drop",
+        help="a group over --max-weight-staleness: retry (its prompts are generated again, once), drop, or mask "
+        "(its tokens older than the bound become context and the rest trains; dropped when nothing is left)",
+    )
+    g.add_argument(
+        "--update-weights-in-flight",
+        action="store_true",
+        help="--fully-async: a weight sync pauses the engines in place (SGLang's pause mode in_place) instead of "
+        "aborting their requests; running answers keep their KV cache and continue under the new weights",
     )
     g.add_argument(
         "--custom-async-data-buffer-path",

@@ -42,18 +42,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from slime.scheduling.group_buffer import Group, GroupBufferLike, group_from_json, group_to_json
-from slime.scheduling.staleness import (
-    flatten,
-    group_min_version,
-    group_staleness,
-    reset_for_retry,
-    stamp_dispatch_version,
-)
+from slime.scheduling.stale_rule import HANDLERS, RETRIES_KEY, filter_stale_groups, settle_stale_group
+from slime.scheduling.staleness import flatten, group_min_version, group_staleness, stamp_dispatch_version
 from slime.utils.types import Status
 
 logger = logging.getLogger(__name__)
 
-RETRIES_KEY = "async_stale_retries"  # sample metadata: how often the group was regenerated for staleness
+__all__ = ["RETRIES_KEY", "AsyncConfig", "AsyncRollout", "filter_stale_groups", "settle_stale_group"]
 _STATE_VERSION = 1
 
 
@@ -81,13 +76,14 @@ class AsyncConfig:
     batch_size: int  # groups the trainer consumes per step (--rollout-batch-size)
     max_in_flight_groups: int  # --async-max-concurrent-samples floored to whole groups
     max_staleness: int | None = None  # --max-weight-staleness; None: unbounded
-    unused_handler: str = "retry"  # --async-unused-samples-handler: retry | drop
+    unused_handler: str = "retry"  # --async-unused-samples-handler: retry | drop | mask
+    in_flight_updates: bool = False  # --update-weights-in-flight: a weight sync holds requests, never aborts them
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.max_in_flight_groups < 1:
             raise ValueError("batch_size and max_in_flight_groups must be >= 1")
-        if self.unused_handler not in ("retry", "drop"):
-            raise ValueError(f"unused_handler must be retry or drop, got {self.unused_handler!r}")
+        if self.unused_handler not in HANDLERS:
+            raise ValueError(f"unused_handler must be one of {HANDLERS}, got {self.unused_handler!r}")
 
 
 @dataclass
@@ -96,6 +92,9 @@ class _Counters:
     stale_groups: int = 0
     stale_retried_groups: int = 0
     stale_dropped_groups: int = 0
+    stale_masked_groups: int = 0
+    stale_masked_tokens: int = 0
+    doomed_in_flight_groups: int = 0  # in-flight updates: groups cut at a sync, already past the bound
     filtered_groups: int = 0
     aborted_groups: int = 0
     producer_wait_s: float = 0.0
@@ -104,44 +103,6 @@ class _Counters:
 
     def counts(self) -> dict[str, float]:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "staleness"}
-
-
-def settle_stale_group(group: Group, handler: str, source: DataSourceLike) -> bool:
-    """A group over the staleness bound: with `retry`, its prompts go back to `source` to be generated again
-    from scratch (True); a group already retried once, or any group under `drop`, is dropped (False)."""
-    retries = int(flatten(group)[0].metadata.get(RETRIES_KEY, 0))
-    if handler != "retry" or retries > 0:
-        return False
-    fresh = reset_for_retry(group)
-    for s in fresh:
-        s.metadata[RETRIES_KEY] = retries + 1
-    source.add_samples([fresh])
-    return True
-
-
-def filter_stale_groups(
-    groups: list[Group], trainer_version: int, max_staleness: int | None, handler: str, source: DataSourceLike
-) -> tuple[list[Group], list[Group], dict[str, float]]:
-    """The staleness bound outside the fully-async buffer (a rollout's groups, e.g. ones --partial-rollout
-    recycled with old tokens): (the groups within it, the groups dropped, the counts)."""
-    if max_staleness is None:
-        return groups, [], {}
-    kept, stale = [], []
-    for g in groups:
-        group = g if isinstance(g, list) else [g]
-        (stale if group_staleness(group, trainer_version) > max_staleness else kept).append(g)
-    if not stale:
-        return kept, [], {}
-    dropped = [g for g in stale if not settle_stale_group(g if isinstance(g, list) else [g], handler, source)]
-    return (
-        kept,
-        dropped,
-        {
-            "async/stale_groups": float(len(stale)),
-            "async/stale_retried_groups": float(len(stale) - len(dropped)),
-            "async/stale_dropped_groups": float(len(dropped)),
-        },
-    )
 
 
 def _prompt_index(group: Group) -> int:
@@ -179,6 +140,8 @@ class AsyncRollout:
         self.dropped_ids: list[int] = []
         self._in_flight: dict[asyncio.Task, tuple[bytes, int]] = {}  # task -> (group as dispatched, samples)
         self._generating: set[asyncio.Task] = set()  # the subset whose requests still occupy engines
+        self._oldest: dict[asyncio.Task, int | None] = {}  # task -> oldest version its tokens can have
+        self._doomed_tasks: set[asyncio.Task] = set()  # cut at an in-flight sync: settled as stale, not resumed
         self._changed = asyncio.Event()
         self._paused = False
         self._failure: BaseException | None = None
@@ -281,10 +244,14 @@ class AsyncRollout:
         """A resumed group whose tokens already exceed the bound for the next consume: versions only grow, so it
         can never be consumed. Every weight sync interrupts the groups in flight and they come back through the
         data source, so each is checked here once per sync."""
+        return self._too_old(group_min_version(group))
+
+    def _too_old(self, oldest: int | None) -> bool:
+        """Tokens of version `oldest` could never train at the next consume or later (`mask` would mask them
+        and train the rest, so under it nothing is too old to go on)."""
         k = self.config.max_staleness
-        if k is None or self.next_consume is None:
+        if k is None or self.next_consume is None or self.config.unused_handler == "mask":
             return False
-        oldest = group_min_version(group)
         return oldest is not None and self.next_consume - oldest > k
 
     def _dispatch(self, group: Group) -> None:
@@ -293,14 +260,17 @@ class AsyncRollout:
         task = asyncio.get_running_loop().create_task(self._generate(group))
         self._in_flight[task] = (snapshot, len(flatten(group)))
         self._generating.add(task)
+        versions = [v for v in (group_min_version(group), self.engine_version) if v is not None]
+        self._oldest[task] = min(versions) if versions else None
 
     async def _generate(self, group: Group) -> None:
         task = asyncio.current_task()
         try:
             result = await self.generator.run_group(group)
         except asyncio.CancelledError:
-            snapshot, _ = self._in_flight.pop(task)
-            self.source.add_samples([pickle.loads(snapshot)])  # as dispatched: it starts again later
+            if task not in self._doomed_tasks:  # a doomed one was settled when it was cut (`resume`)
+                snapshot, _ = self._in_flight.pop(task)
+                self.source.add_samples([pickle.loads(snapshot)])  # as dispatched: it starts again later
             raise
         except BaseException as e:
             logger.exception("generating a fully-async group failed")
@@ -309,6 +279,8 @@ class AsyncRollout:
             raise
         finally:
             self._generating.discard(task)
+            self._doomed_tasks.discard(task)
+            self._oldest.pop(task, None)
             self._notify()  # an engine slot is free (or the failure is visible)
         try:
             if _unfinished(result):
@@ -347,12 +319,29 @@ class AsyncRollout:
         if self._failure is not None:
             raise RuntimeError("the fully-async producer failed") from self._failure
 
+    def hold(self) -> None:
+        """An in-flight weight sync begins (`--update-weights-in-flight`): no new group is dispatched until
+        `resume`; the running requests stay on their engines (paused there in place) and go on afterwards."""
+        self._paused = True
+        self._notify()
+
     def resume(self, engine_version: int | None = None) -> None:
-        """Generation may continue, with the engines now at `engine_version` (when given)."""
+        """Generation may continue, with the engines now at `engine_version` (when given). After an in-flight
+        sync, a group whose oldest tokens can no longer train is cut now and settled as stale (retried or
+        dropped) instead of being generated to its end and thrown away at the consume."""
         if engine_version is not None:
             self.engine_version = engine_version
         self.generator.allow()
         self._paused = False
+        if self.config.in_flight_updates:
+            for task in [t for t in self._generating if self._too_old(self._oldest.get(t))]:
+                # settled now, in this step of the loop (a checkpoint or a stop right after sees it settled);
+                # what it generated since its dispatch is lost
+                snapshot, _ = self._in_flight.pop(task)
+                self._doomed_tasks.add(task)
+                self._count("doomed_in_flight_groups", 1)
+                self._handle_stale(pickle.loads(snapshot))
+                task.cancel()
         self._notify()
 
     async def stop(self) -> None:
@@ -381,11 +370,10 @@ class AsyncRollout:
             waited += await self._wait(lambda: len(self.buffer) > 0)
             for group in self.buffer.pop(self.config.batch_size - len(taken)):
                 staleness = group_staleness(group, rollout_id)
-                if k is not None and staleness > k:
-                    self._handle_stale(group)
-                else:
-                    taken.append(group)
-                    self._window.staleness.append(staleness)
+                if k is not None and staleness > k and not self._handle_stale(group, rollout_id):
+                    continue
+                taken.append(group)
+                self._window.staleness.append(group_staleness(group, rollout_id))
             self._notify()
         self.next_consume = rollout_id + 1
         self._count("trainer_wait_s", waited)
@@ -395,13 +383,21 @@ class AsyncRollout:
         taken.sort(key=lambda g: flatten(g)[0].index if flatten(g)[0].index is not None else -1)
         return taken, self._report()
 
-    def _handle_stale(self, group: Group) -> None:
+    def _handle_stale(self, group: Group, trainer_version: int | None = None) -> bool:
+        """Settle a group over the bound; True when it is kept (masked into the bound) and trains now."""
         self._count("stale_groups", 1)
-        if settle_stale_group(group, self.config.unused_handler, self.source):
+        k = self.config.max_staleness or 0
+        verdict, masked = settle_stale_group(group, self.config.unused_handler, self.source, trainer_version, k)
+        if verdict == "kept":
+            self._count("stale_masked_groups", 1)
+            self._count("stale_masked_tokens", masked)
+            return True
+        if verdict == "retried":
             self._count("stale_retried_groups", 1)
         else:
             self.dropped_ids.append(_prompt_index(group))
             self._count("stale_dropped_groups", 1)
+        return False
 
     def _report(self) -> dict[str, float]:
         """Metrics since the previous consume (rates) plus the state now (sizes, totals)."""

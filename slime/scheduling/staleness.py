@@ -4,7 +4,8 @@ A group's staleness is the trainer's weight version when the group is consumed m
 that produced any of its trained response tokens. Each `/generate` answer records one
 `[version, tokens, trained]` span on the sample (`Sample.weight_version_spans`); one version per answer is exact
 because a weight sync aborts running requests before it loads (their tokens so far come back under the old
-version and the rest is generated under the new one). Tokens that `--mask-offpolicy-in-partial-rollout` turns
+version and the rest is generated under the new one); with `--update-weights-in-flight` an answer can run
+through a sync, and its span takes the oldest version it may hold (`bound_answer_version`). Tokens that `--mask-offpolicy-in-partial-rollout` turns
 into context (loss mask 0) teach the trainer nothing, so they do not count: their span's `trained` flag is off.
 
 Versions are the integers slime pushes with each sync (`rollout_id + 1`, docs/architecture.md#weight-sync). A
@@ -80,6 +81,44 @@ def mark_context_only(sample: Sample) -> None:
     sample.loss_mask = [0] * sample.response_length
     for span in sample.weight_version_spans:
         span[2] = False
+
+
+def mask_tokens_older_than(sample: Sample, oldest_allowed: int, dry_run: bool = False) -> int | None:
+    """Tokens of trained spans sampled under a version older than `oldest_allowed` become context (loss mask 0,
+    span untrained); returns how many newly masked. None when the spans do not cover the response one to one (a
+    generate function that reports no per-answer token counts): then tokens cannot be told apart by version.
+    `dry_run`: count only."""
+    spans = sample.weight_version_spans
+    if sum(int(n) for _, n, _ in spans) != sample.response_length:
+        return None
+    mask = sample.loss_mask if sample.loss_mask is not None else [1] * sample.response_length
+    if dry_run:
+        mask = list(mask)
+    masked, pos = 0, 0
+    for span in spans:
+        version, n = parse_version(span[0]), int(span[1])
+        if span[2] and version is not None and version < oldest_allowed:
+            masked += sum(mask[pos : pos + n])
+            mask[pos : pos + n] = [0] * n
+            if not dry_run:
+                span[2] = False
+        pos += n
+    if not dry_run:
+        sample.loss_mask = mask
+    return masked
+
+
+def bound_answer_version(sample: Sample, sent_under: int | None) -> None:
+    """With `--update-weights-in-flight` one `/generate` answer may run through weight syncs, and SGLang reports
+    only the version it ended under. Its tokens were sampled under versions from `sent_under` (the engines'
+    version when it was sent) to that one, so the answer's span takes `sent_under`: a lower bound of each of its
+    tokens' versions, which never under-counts staleness (the bound stays safe; `mask` masks the whole answer)."""
+    if sent_under is None or not sample.weight_version_spans:
+        return
+    last = sample.weight_version_spans[-1]
+    reported = parse_version(last[0])
+    if reported is not None and reported > sent_under:
+        last[0] = str(sent_under)
 
 
 def stamp_dispatch_version(group: Iterable[Sample | Sequence[Sample]], version: int | None) -> None:

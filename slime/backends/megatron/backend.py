@@ -54,7 +54,7 @@ class MegatronBackend:
         if args.update_weight_mode == "distributed":
             self.transport = DistributedTransport(args, place.node_ip)
         else:
-            self.transport = TensorTransport(args.update_weight_buffer_size)
+            self.transport = TensorTransport(args.update_weight_buffer_size, args.update_weights_in_flight)
         loaded = None
         if load_path:
             with self.offloader.region("optimizer"):  # a loaded optimizer state may be new tensors

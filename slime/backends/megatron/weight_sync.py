@@ -72,8 +72,10 @@ class ColocatedEngine:
 class TensorWeightSync:
     """One per train rank. Every rank exports and takes part; leaders (an engine's first rank) post."""
 
-    def __init__(self, engines: list[ColocatedEngine] | list[str], bucket_bytes: int) -> None:
-        """`engines` may be plain URLs when one process sends alone (tools, tests): each gets one payload."""
+    def __init__(self, engines: list[ColocatedEngine] | list[str], bucket_bytes: int, in_flight: bool = False) -> None:
+        """`engines` may be plain URLs when one process sends alone (tools, tests): each gets one payload.
+        `in_flight`: the engines are paused in place, their requests kept (`start_weight_sync`)."""
+        self.in_flight = in_flight
         ready = dist.is_available() and dist.is_initialized()
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if ready else (0, 1)
         engines = [ColocatedEngine(e, 0, 1) if isinstance(e, str) else e for e in engines]
@@ -124,7 +126,7 @@ class TensorWeightSync:
         try:
             # the session's opening calls are written first and answered while the first buckets are packed
             t0 = time.perf_counter()
-            opened = start_weight_sync(clients)
+            opened = start_weight_sync(clients, self.in_flight)
             session = time.perf_counter() - t0
             mark(("opening sent", time.time()))
             if isinstance(named_tensors, LiveWeights):
@@ -330,8 +332,9 @@ class TensorTransport:
     """`--update-weight-mode tensor` for one train rank: a `TensorWeightSync` to the current engines, rebuilt (new
     groups) when the engine set changes (an engine restarted)."""
 
-    def __init__(self, bucket_bytes: int) -> None:
+    def __init__(self, bucket_bytes: int, in_flight: bool = False) -> None:
         self.bucket_bytes = bucket_bytes
+        self.in_flight = in_flight  # --update-weights-in-flight
         self.current: TensorWeightSync | None = None
 
     def sync(self, trainer: Any, engines: list[dict[str, Any]], weight_version: int) -> dict[str, float]:
@@ -339,5 +342,5 @@ class TensorTransport:
         if self.current is None or self.current.engines != targets:
             if self.current is not None:
                 self.current.close()
-            self.current = TensorWeightSync(targets, self.bucket_bytes)
+            self.current = TensorWeightSync(targets, self.bucket_bytes, self.in_flight)
         return self.current.sync(trainer.weights_for_sync(), weight_version)

@@ -254,7 +254,7 @@ class DistributedTransport:
     def sync(self, trainer: Any, engines: list[dict[str, Any]], weight_version: int) -> dict[str, float]:
         targets = [EngineTarget(e["url"], int(e["num_gpus"])) for e in engines]
         clients = [SGLangClient(t.url) for t in targets] if dist.get_rank() == 0 else []
-        begin_weight_sync(clients)
+        begin_weight_sync(clients, self.args.update_weights_in_flight)
         dist.barrier()
         named = trainer.export_hf()
         out: dict[str, float] = {}

@@ -361,35 +361,44 @@ def _session_calls(client: SGLangClient, calls: list[tuple[str, str, Any]]) -> l
     return [c for c in calls if c[1] not in ("/begin_weight_update", "/end_weight_update")]
 
 
-def start_weight_sync(clients: list[SGLangClient]) -> Callable[[], None]:
+def start_weight_sync(clients: list[SGLangClient], in_flight: bool = False) -> Callable[[], None]:
     """Open a weight update on every engine: pause generation, flush the cache, and where the release has them
     (0.5.21+, which loads weights only inside `/begin_weight_update` ... `/end_weight_update`) begin the update
     session. The pause uses SGLang's default mode, `abort`: a request still in flight (none in the synchronous
     loop, which syncs between rollouts) comes back aborted with its tokens so far.
 
+    `in_flight` (`--update-weights-in-flight`): the pause is `in_place` (every release 0.5.14-0.5.23 has it,
+    io_struct.py `PauseGenerationReqInput`): running requests stay in the scheduler with their KV cache and
+    continue under the new weights after `/continue_generation`. No flush then: SGLang refuses it while requests
+    are in the running batch, and their cache is what they continue from (KV computed under the old weights,
+    as PipelineRL's in-flight updates keep it).
+
     The three calls go to every engine at once, pipelined (`SGLangClient.send`); this returns the function that
     reads the answers, so the caller packs its first buckets meanwhile. A flush refused because aborted requests
     are still finishing is retried until the engine is idle; no weights are posted before that."""
-    calls = [("POST", "/pause_generation", {}), ("POST", "/flush_cache", None),
-             ("POST", "/begin_weight_update", {"selector": "all"})]  # fmt: skip
+    pause = ("POST", "/pause_generation", {"mode": "in_place"} if in_flight else {})
+    flush = [] if in_flight else [("POST", "/flush_cache", None)]
+    calls = [pause, *flush, ("POST", "/begin_weight_update", {"selector": "all"})]
     sent = [(c, _session_calls(c, calls)) for c in clients]
     reads = [(c, own, c.send(own)) for c, own in sent]
 
     def opened() -> None:
         for c, own, read in reads:
-            (paused, paused_body), (flushed, _), *begun = read()
+            (paused, paused_body), *rest = read()
             c._checked("/pause_generation", paused, paused_body)
-            if flushed != 200:
-                c.flush_cache()
-            for (_, endpoint, _), (status, body) in zip(own[2:], begun, strict=True):
+            if flush:
+                (flushed, _), *rest = rest
+                if flushed != 200:
+                    c.flush_cache()
+            for (_, endpoint, _), (status, body) in zip(own[1 + len(flush) :], rest, strict=True):
                 c._checked(endpoint, status, body)
 
     return opened
 
 
-def begin_weight_sync(clients: list[SGLangClient]) -> None:
+def begin_weight_sync(clients: list[SGLangClient], in_flight: bool = False) -> None:
     """`start_weight_sync`, waiting for the engines to answer."""
-    start_weight_sync(clients)()
+    start_weight_sync(clients, in_flight)()
 
 
 def start_end_weight_sync(clients: list[SGLangClient]) -> Callable[[], None]:
