@@ -18,21 +18,29 @@ logger = logging.getLogger(__name__)
 
 def preflight(args: Namespace) -> int:
     """Validate files before anything starts; returns the number of training prompts (0 when replaying)."""
+    from slime.backends.megatron.checkpoint_checks import check_checkpoints
     from slime.backends.sglang.engine_choice import check_rollout_engine
-    from slime.backends.sglang.sglang_config import check_model_references
+    from slime.backends.sglang.sglang_config import check_model_references, resolve_sglang_config
+    from slime.rollout.arguments import DEFAULT_DATA_SOURCE, DEFAULT_ROLLOUT_FN
+    from slime.utils.hook_checks import check_hooks
 
+    resolve_sglang_config(args)  # the whole --sglang-config file (or the flags' topology), whatever flags name in it
     check_model_references(args)  # teachers, served reference and reward model exist in --sglang-config
+    num_prompts = 0
     if args.load_debug_rollout_data:
         first = args.load_debug_rollout_data.format(rollout_id=args.start_rollout_id or 0)
         if not os.path.isfile(first):
             raise SlimeArgError(f"--load-debug-rollout-data: no dump for the first rollout at {first}")
-        return 0
-    if args.prompt_data is None and not args.disable_rollout_global_dataset:
-        raise SlimeArgError("--prompt-data is required (JSONL or parquet of prompts)")
-    from slime.rollout.dataset import validate_prompt_data
+    else:
+        if args.prompt_data is None and not args.disable_rollout_global_dataset:
+            raise SlimeArgError("--prompt-data is required (JSONL or parquet of prompts)")
+        from slime.rollout.dataset import validate_prompt_data
 
-    num_prompts = validate_prompt_data(args)
-    check_rollout_engine(args)  # which servers start (never the simulated ones silently on CUDA); their flags
+        num_prompts = validate_prompt_data(args)
+    check_hooks(args, builtin=(DEFAULT_ROLLOUT_FN, DEFAULT_DATA_SOURCE))  # every other hook imports and fits its call
+    check_checkpoints(args)  # every checkpoint a train rank builds: its architecture, in this layout
+    if not args.load_debug_rollout_data:
+        check_rollout_engine(args)  # which servers start (never the simulated ones silently on CUDA); their flags
     return num_prompts
 
 

@@ -204,8 +204,6 @@ _EVAL_DATASETS: dict[tuple, Dataset] = {}
 
 async def eval_rollout(args: Any, rollout_id: int) -> RolloutFnEvalOutput:
     """Every `--eval-prompt-data` dataset, `n_samples_per_eval_prompt` samples per prompt."""
-    if args.group_rm:
-        raise ValueError("--group-rm is not supported for evaluation")
     GenerateState.get(args).reset()
     results = await asyncio.gather(
         *(_eval_one(args, rollout_id, name, path) for name, path in eval_dataset_specs(args))
@@ -240,7 +238,13 @@ async def _eval_one(args: Any, rollout_id: int, name: str, path: str) -> tuple[s
             s.index = len(samples)
             s.metadata["sampling_seed"] = derive_sampling_seed(seed, seed_rollout_id, s.index)
             samples.append(s)
-    outs = await asyncio.gather(*(generate_and_rm(args, s, params, evaluation=True) for s in samples))
+    if args.group_rm:  # each prompt's n samples are scored together, as in training
+        groups = [samples[i : i + n] for i in range(0, len(samples), n)]
+        outs = [
+            o for g in await asyncio.gather(*(generate_and_rm_group(args, g, params, True) for g in groups)) for o in g
+        ]
+    else:
+        outs = await asyncio.gather(*(generate_and_rm(args, s, params, evaluation=True) for s in samples))
     flat = [s for o in outs for s in (o if isinstance(o, list) else [o])]
     flat.sort(key=lambda s: s.index if s.index is not None else -1)
     reward_key = args.eval_reward_key or args.reward_key

@@ -35,7 +35,9 @@ def cuda(monkeypatch):
 
 @pytest.fixture()
 def model(tmp_path) -> str:
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    cfg = {"model_type": "qwen2", "vocab_size": 64, "num_hidden_layers": 1, "hidden_size": 16,
+           "intermediate_size": 32, "num_attention_heads": 2}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))  # preflight reads the architecture
     return str(tmp_path)
 
 

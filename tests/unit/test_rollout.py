@@ -297,6 +297,19 @@ def test_eval_output(tmp_path: Path, tiny_ckpt: Path, engine: StubEngine) -> Non
     assert all(b["sampling_params"]["temperature"] == 0.5 for b in engine.generate_bodies())
 
 
+def test_group_rm_scores_each_eval_prompt_as_a_group(tmp_path: Path, tiny_ckpt: Path, engine: StubEngine) -> None:
+    evalf = tmp_path / "eval.jsonl"
+    evalf.write_text("".join(json.dumps({"input": f"e{i}"}) + "\n" for i in range(2)))
+    args = rollout_args(
+        tmp_path, tiny_ckpt, engine, eval_prompt_data=["toy", str(evalf)], n_samples_per_eval_prompt=3,
+        group_rm=True, custom_rm_path=f"{__name__}.group_rm",
+    )  # fmt: skip
+    toy = call_rollout_fn(generate_rollout, args, 0, None, evaluation=True).data["toy"]
+    # group_rm scores a list: position in the group, so one call per prompt gives 0, 1, 2 twice
+    assert [s.prompt for s in toy["samples"]] == ["e0"] * 3 + ["e1"] * 3
+    assert toy["rewards"] == [0.0, 1.0, 2.0, 0.0, 1.0, 2.0]
+
+
 def test_eval_fixed_sampling_seed(tmp_path: Path, tiny_ckpt: Path, engine: StubEngine) -> None:
     """Evals at different rollouts share seeds only with --eval-fixed-sampling-seed (common random numbers)."""
     evalf = tmp_path / "eval.jsonl"

@@ -163,16 +163,23 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
     return -(-vocab_size // tp_size) * tp_size
 
 
-def transformer_config_kwargs(spec: HFModelSpec, args: Any) -> dict[str, Any]:
-    """Keyword arguments for `megatron.core.transformer.TransformerConfig` (shape, parallelism, dtype)."""
-    import torch  # here, not at module level: argument validation reads configs without loading torch
-
+def check_layout_fits(spec: HFModelSpec, args: Any) -> None:
+    """TP divides the heads, EP the experts, expert TP the expert FFN (torch-free: the driver's preflight runs it)."""
     tp = args.tensor_model_parallel_size
     if spec.num_attention_heads % tp or spec.num_query_groups % tp and tp % spec.num_query_groups:
         raise SlimeArgError(
             f"--tensor-model-parallel-size {tp} must divide num_attention_heads ({spec.num_attention_heads}) "
             f"and divide or be a multiple of num_key_value_heads ({spec.num_query_groups})"
         )
+    moe_config_kwargs(spec, args)
+
+
+def transformer_config_kwargs(spec: HFModelSpec, args: Any) -> dict[str, Any]:
+    """Keyword arguments for `megatron.core.transformer.TransformerConfig` (shape, parallelism, dtype)."""
+    import torch  # here, not at module level: argument validation reads configs without loading torch
+
+    tp = args.tensor_model_parallel_size
+    check_layout_fits(spec, args)
     bf16 = bool(args.bf16)
     etp = args.expert_tensor_parallel_size
     return dict(
