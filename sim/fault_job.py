@@ -30,7 +30,10 @@ def prepare_assets(out: Path) -> Path:
     return out
 
 
-def job_flags(assets: Path, run: Path, *, max_restarts: int = 0, hang_timeouts: bool = True) -> list[str]:
+def job_flags(
+    assets: Path, run: Path, *, max_restarts: int = 0, hang_timeouts: bool = True, ppo: bool = False
+) -> list[str]:
+    """`ppo`: PPO instead of REINFORCE++, so a critic trains (and checkpoints) beside the actor."""
     flags = [
         "--hf-checkpoint", str(assets / "model"), "--prompt-data", str(assets / "data" / "train.jsonl"),
         "--input-key", "input", "--label-key", "label", "--apply-chat-template",
@@ -43,6 +46,8 @@ def job_flags(assets: Path, run: Path, *, max_restarts: int = 0, hang_timeouts: 
         "--save-debug-rollout-data", str(run / "dump" / "{rollout_id}.pt"), "--metrics-dir", str(run / "metrics"),
         "--max-restarts", str(max_restarts),
     ]  # fmt: skip
+    if ppo:
+        flags[flags.index("reinforce_plus_plus")] = "ppo"
     if hang_timeouts:
         flags += ["--train-hang-timeout", str(TRAIN_HANG_TIMEOUT), "--rollout-hang-timeout", str(ROLLOUT_HANG_TIMEOUT)]
     return flags
