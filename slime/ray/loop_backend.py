@@ -77,6 +77,7 @@ class RayLoopBackend(LoopBackend):
         return self._received(rollout_id, *await self._ask("consume", rollout_id))
 
     async def stop_producer(self) -> None:
+        self._log_evals(await self._ask("finished_evals", True))  # the background evals still running end first
         await self._ask("stop_producer")
 
     def _received(self, rollout_id: int, rank_refs: Any, metrics: dict | None) -> Any:
@@ -87,10 +88,14 @@ class RayLoopBackend(LoopBackend):
         return rank_refs
 
     async def evaluate(self, rollout_id: int) -> None:
-        out = await self._ask("eval", rollout_id)
-        if out:
-            self.tracker.log(out, step=rollout_id, kind="eval")
-            self.last_eval.update(out)
+        """Fully async: the eval starts in the background and its metrics come with a later step."""
+        self._log_evals([(rollout_id, await self._ask("eval", rollout_id))])
+
+    def _log_evals(self, evals: list[tuple[int, dict[str, float] | None]]) -> None:
+        for rollout_id, out in evals:
+            if out:
+                self.tracker.log(out, step=rollout_id, kind="eval")
+                self.last_eval.update(out)
 
     # ---- colocated engines -------------------------------------------------------------------------------
     async def release_engines(self) -> None:
@@ -143,6 +148,8 @@ class RayLoopBackend(LoopBackend):
 
     async def step_done(self, rollout_id: int, times: dict[str, float]) -> None:
         """Log the step's metrics and move the progress line."""
+        if self.args.fully_async:
+            self._log_evals(await self._ask("finished_evals"))
         metrics = {**self._step, **times}
         self._step = {}
         self.summary["metrics"][rollout_id] = metrics

@@ -255,15 +255,27 @@ class RolloutManager:
         """The eval's metrics for the driver to log (None when --custom-eval-rollout-log-function-path did)."""
         if self.args.eval_prompt_data is None or self.args.debug_train_only:
             return {}
-        if self.fully_async is not None:
-            self.fully_async.pause()  # the eval has the engines to itself; interrupted groups resume after
-            try:
-                out = call_rollout_fn(self.eval_fn, self.args, rollout_id, self.data_source, evaluation=True)
-            finally:
-                self.fully_async.resume()
-        else:
-            out = call_rollout_fn(self.eval_fn, self.args, rollout_id, self.data_source, evaluation=True)
-        extra = dict(out.metrics or {})
+
+        def evaluate() -> Any:
+            return call_rollout_fn(self.eval_fn, self.args, rollout_id, self.data_source, evaluation=True)
+
+        if self.fully_async is not None:  # beside the producer and the trainer: collected by `finished_evals`
+            self.fully_async.start_eval(rollout_id, evaluate)
+            return {}
+        return self._eval_metrics(rollout_id, evaluate())
+
+    def finished_evals(self, wait: bool = False) -> list[tuple[int, dict[str, float] | None]]:
+        """Fully async: (rollout id, metrics or None as `eval` returns them) of each background eval done since
+        the last call; `wait`: every one started (the run's end)."""
+        if self.fully_async is None:
+            return []
+        return [
+            (rid, self._eval_metrics(rid, out, {"eval/weight_version": float(-1 if version is None else version)}))
+            for rid, version, out in self.fully_async.finished_evals(wait)
+        ]
+
+    def _eval_metrics(self, rollout_id: int, out: Any, own: dict[str, float] | None = None) -> dict[str, float] | None:
+        extra = {**(out.metrics or {}), **(own or {})}
         metrics = dict(extra)
         for name, d in out.data.items():
             rewards = d["rewards"]

@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
+from slime.rollout.background_eval import BackgroundEval
 from slime.rollout.data_source import call_with_checkpoint_dir, read_state
 from slime.rollout.filter_hub.base_types import call_dynamic_filter
 from slime.rollout.generate import GenerateState, base_sampling_params, generate_and_rm_group
@@ -76,6 +78,7 @@ class FullyAsyncRollout:
     def __init__(self, args: Any, data_source: Any) -> None:
         self.args = args
         self.data_source = data_source
+        self.evals = BackgroundEval()
         run(self._build())
 
     async def _build(self) -> None:
@@ -107,10 +110,19 @@ class FullyAsyncRollout:
     def consume(self, rollout_id: int) -> tuple[list[Group], dict[str, float]]:
         return run(self.rollout.consume(rollout_id))
 
+    # ---- evaluation in the background (slime/rollout/background_eval.py) ---------------------------------------
+    def start_eval(self, rollout_id: int, fn: Callable[[], Any]) -> None:
+        """Start the eval before `rollout_id` beside the producer, at the engines' current weight version."""
+        self.evals.start(rollout_id, self.rollout.engine_version, fn)
+
+    def finished_evals(self, wait: bool = False) -> list[tuple[int, int | None, Any]]:
+        return self.evals.finished(wait)
+
     def pause(self) -> None:
-        """Before a weight sync or an eval. In flight (`--update-weights-in-flight`) the producer only stops
+        """Before a weight sync: a running eval finishes first (it keeps one weight version). In flight (`--update-weights-in-flight`) the producer only stops
         dispatching: the running requests stay, and the sync pauses the engines in place (`pause_mode`);
         otherwise every request is interrupted first and its group resumes afterwards."""
+        self.evals.wait()
         if not self.args.update_weights_in_flight:
             run(self.rollout.pause())
             return
@@ -129,6 +141,7 @@ class FullyAsyncRollout:
         run(go())
 
     def stop(self) -> None:
+        self.evals.wait()
         run(self.rollout.stop())
 
     def save(self, rollout_id: int, rollout_dir: str) -> None:
