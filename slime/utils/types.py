@@ -45,7 +45,8 @@ class Sample:
     # One entry per `/generate` answer: [weight version, response tokens it produced, trained]. `trained` turns
     # False when --mask-offpolicy-in-partial-rollout masks the tokens out on resume. The staleness bound reads
     # it (slime/scheduling/staleness.py): one version per answer is exact because a weight sync aborts the
-    # running requests first, so no answer spans two versions.
+    # running requests first; with --update-weights-in-flight an answer may run through a sync, and its span
+    # then takes the version it was sent under (a lower bound: staleness.bound_answer_version).
     weight_version_spans: list[list[Any]] = field(default_factory=list)
     rollout_log_probs: list[float] | None = None
     rollout_routed_experts: Any = None
