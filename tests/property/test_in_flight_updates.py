@@ -120,16 +120,42 @@ def test_in_flight_run_killed_anywhere_resumes_losslessly(case, save_interval, k
         assert all(v >= x.rollout_id - c.max_staleness for v in x.trained_versions)
 
 
+LONG_TAIL = Workload(
+    seed=3, response_median=4.0, response_sigma=0.0, response_min=1, max_new_tokens=400, tail_fraction=0.3,
+    tail_factor=60.0, prompt_median=4.0, prompt_min=1, prompt_max=8, engines=1, slots_per_engine=8,
+    decode_step_s=0.01, decode_step_per_request_s=0.0, prefill_per_token_s=0.0, rollout_batch_size=2,
+    n_samples_per_prompt=2, train_step_s=0.2, train_per_token_s=0.0, weight_sync_s=0.05,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        SimConfig("partial", max_staleness=1, max_steps=12, over_sampling=2.0),
+        SimConfig("fully_async", max_staleness=1, max_steps=12, max_concurrent_samples=8),
+        SimConfig("fully_async", max_staleness=1, max_steps=12, max_concurrent_samples=8, in_flight=True),
+    ],
+    ids=["partial_rollout", "fully_async", "fully_async_in_flight"],
+)
+def test_one_rule_for_a_group_resumed_across_several_versions(config):
+    """Item 4: `--partial-rollout` and `--fully-async` settle a group whose tokens span several versions by the
+    same rule: `mask` trains it with its tokens older than the bound as context, `retry` regenerates it."""
+    masked = simulate(dataclasses.replace(config, unused_handler="mask"), LONG_TAIL)
+    spanning = [x for x in masked.consumed if any(len(set(v)) > 2 for v in x.span_versions)]
+    assert spanning, "no trained group spanned three versions: the case does not test what it says"
+    for x in spanning:
+        assert x.trained_tokens < x.tokens and all(v >= x.rollout_id - 1 for v in x.trained_versions)
+    retried = simulate(dataclasses.replace(config, unused_handler="retry"), LONG_TAIL)
+    assert retried.stale_retried > 0
+    assert not [x for x in retried.consumed if any(len(set(v)) > 2 for v in x.span_versions)]
+    assert masked.report()["wasted_token_fraction"] < retried.report()["wasted_token_fraction"]
+
+
 def test_a_long_answer_through_many_syncs_trains_its_fresh_tokens():
     """One long answer among short ones, k = 1: in flight it runs through several syncs (several versions in one
     answer); `mask` trains the tokens of the last two versions and keeps the rest as context, where `retry`
     regenerates the group from scratch."""
-    w = Workload(
-        seed=3, response_median=4.0, response_sigma=0.0, response_min=1, max_new_tokens=400, tail_fraction=0.3,
-        tail_factor=60.0, prompt_median=4.0, prompt_min=1, prompt_max=8, engines=1, slots_per_engine=8,
-        decode_step_s=0.01, decode_step_per_request_s=0.0, prefill_per_token_s=0.0, rollout_batch_size=2,
-        n_samples_per_prompt=2, train_step_s=0.2, train_per_token_s=0.0, weight_sync_s=0.05,
-    )  # fmt: skip
+    w = LONG_TAIL
     base = SimConfig("fully_async", max_staleness=1, max_concurrent_samples=8, max_steps=12, in_flight=True)
     masked = simulate(dataclasses.replace(base, unused_handler="mask"), w)
     multi = [x for x in masked.consumed if any(len(set(v)) > 2 for v in x.span_versions)]
