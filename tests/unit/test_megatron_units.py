@@ -67,7 +67,7 @@ def test_llama_and_qwen3_variants():
     "patch,needle",
     [
         ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope type 'yarn'"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope type 'longrope'"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"use_sliding_window": True}, "sliding-window"),
     ],

@@ -210,6 +210,8 @@ CHECKPOINT_CASES = [
     ({**QWEN2_MOE, "num_experts_per_tok": 9}, [], "num_experts_per_tok 9"),
     ({**QWEN2_MOE, "mlp_only_layers": [0]}, [], "MoE configs with dense layers"),
     ({**QWEN2, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, [], "rope type 'longrope'"),
+    ({**QWEN2, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, ["--context-parallel-size", "2"],
+     "dynamic RoPE scaling with --context-parallel-size"),
     ({**QWEN2_MOE, "num_experts_per_tok": 1}, [], "num_experts_per_tok 1 with norm_topk_prob"),
     (QWEN2_MOE, ["--expert-model-parallel-size", "3"], "must divide num_experts"),
     ({**QWEN2_MOE, "moe_intermediate_size": 7}, ["--tensor-model-parallel-size", "2", "--sequence-parallel",

@@ -47,3 +47,8 @@ def check_checkpoints(args: Namespace) -> None:
         except (OSError, ValueError) as e:  # unreadable or not JSON
             raise SlimeArgError(f"{what} {path}: cannot read {os.path.join(path, 'config.json')} ({e})") from None
         check_layout_fits(spec, role)
+        if spec.rope_type == "dynamic" and role.context_parallel_size > 1:
+            # its frequencies follow the row's longest position, which each CP rank sees only its chunks of
+            raise SlimeArgError(
+                f"{what} {path}: dynamic RoPE scaling with --context-parallel-size > 1 is not supported"
+            )

@@ -3,8 +3,9 @@
 Why: the model's shape comes only from `--hf-checkpoint` (there are no `--num-layers` style flags), so one
 place turns HF's names into megatron's: `num_key_value_heads` → `num_query_groups`, `rms_norm_eps` →
 `layernorm_epsilon`, `rope_theta` → `rotary_base`, `tie_word_embeddings` → `share_embeddings_and_output_weights`.
-Anything this family mapping cannot express exactly (rope scaling, sliding windows, MLP biases, other
-activations) is refused with a one-line error instead of silently giving different numbers.
+RoPE scaling (`linear`, `dynamic`, `yarn`, `llama3`) is computed with HF's own initialisers
+(`rope_scaling.py`). Anything this family mapping cannot express exactly (other rope types, sliding windows, MLP
+biases, other activations) is refused with a one-line error instead of silently giving different numbers.
 
 MoE (`qwen2_moe`, `qwen3_moe`): `num_experts` → `num_moe_experts`, `num_experts_per_tok` → `moe_router_topk`,
 `moe_intermediate_size` → `moe_ffn_hidden_size`, `shared_expert_intermediate_size` →
@@ -34,6 +35,12 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", "qwen2_moe", "qwen3_moe")
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
+SCALED_ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")  # computed with HF's own functions (rope_scaling.py)
+# the config.json fields HF's rope initialisers read
+ROPE_FIELDS = (
+    "model_type", "hidden_size", "num_attention_heads", "head_dim", "max_position_embeddings", "rope_theta",
+    "rope_parameters", "rope_scaling", "partial_rotary_factor",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,8 @@ class HFModelSpec:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int | None = None  # Qwen2-MoE: one shared expert with a sigmoid gate
     router_aux_loss_coef: float = 0.0
+    rope_type: str = "default"  # or one of SCALED_ROPE_TYPES
+    rope_fields: str = ""  # `rope_fields(cfg)`: what rope_scaling.py hands to HF's rope initialisers
 
     @property
     def is_moe(self) -> bool:
@@ -79,14 +88,22 @@ def _load(config: str | os.PathLike | dict[str, Any]) -> dict[str, Any]:
         return json.load(f)
 
 
-def _rope_theta(cfg: dict[str, Any]) -> float:
+def _rope(cfg: dict[str, Any]) -> tuple[float, str]:
+    """(rope_theta, rope type); RoPE scalings other than those `rope_scaling.py` computes as HF does are refused."""
     # transformers 5 nests rope settings in `rope_parameters`; 4.x kept `rope_theta` / `rope_scaling` flat.
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise SlimeArgError(f"--hf-checkpoint: rope type {rope_type!r} is not supported (only default RoPE)")
-    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if rope_type not in ("default", *SCALED_ROPE_TYPES):
+        raise SlimeArgError(
+            f"--hf-checkpoint: rope type {rope_type!r} is not supported (default, {', '.join(SCALED_ROPE_TYPES)})"
+        )
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0))), rope_type
+
+
+def rope_fields(cfg: dict[str, Any]) -> str:
+    """The part of a config.json that defines its RoPE, as canonical JSON (the spec stays hashable)."""
+    return json.dumps({k: cfg[k] for k in ROPE_FIELDS if k in cfg}, sort_keys=True)
 
 
 def read_hf_config(config: str | os.PathLike | dict[str, Any]) -> HFModelSpec:
@@ -107,6 +124,7 @@ def read_hf_config(config: str | os.PathLike | dict[str, Any]) -> HFModelSpec:
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     moe = _moe_fields(cfg) if model_type in MOE_MODEL_TYPES else {}
+    rope_theta, rope_type = _rope(cfg)
     return HFModelSpec(
         model_type=model_type,
         vocab_size=int(cfg["vocab_size"]),
@@ -117,7 +135,9 @@ def read_hf_config(config: str | os.PathLike | dict[str, Any]) -> HFModelSpec:
         num_query_groups=int(cfg.get("num_key_value_heads") or heads),
         kv_channels=int(cfg.get("head_dim") or hidden // heads),
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(cfg),
+        rope_theta=rope_theta,
+        rope_type=rope_type,
+        rope_fields=rope_fields(cfg) if rope_type != "default" else "",
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         # Qwen2 always has q/k/v biases (its config has no switch); the others follow `attention_bias`.
         qkv_bias=bool(cfg.get("qkv_bias", True))

@@ -158,7 +158,13 @@ def build_gpt_model(
         rotary_base=spec.rope_theta,
         vp_stage=vp_stage,
     )
-    use_positional_rope(model)  # slime's packed rows number their tokens themselves (packing.py, rope.py)
+    scaled = None
+    if spec.rope_type != "default":
+        from slime.backends.megatron.rope_scaling import ScaledRope
+
+        scaled = ScaledRope(spec.rope_fields)
+        config.slime_rope_attention_factor = scaled.attention_factor  # read by rope.apply_packed_rope
+    use_positional_rope(model, scaled)  # slime's packed rows number their tokens themselves (packing.py, rope.py)
     if spec.is_moe:
         track_router_balance(model)
     logger.info(

@@ -23,9 +23,10 @@ logger = logging.getLogger(__name__)
 class PositionalRotaryEmbedding(torch.nn.Module):
     """Stands in for `GPTModel.rotary_pos_emb`; holds no parameters or buffers (state dicts are unchanged)."""
 
-    def __init__(self, inner: torch.nn.Module) -> None:
+    def __init__(self, inner: torch.nn.Module, scaled: Any = None) -> None:
         super().__init__()
         self.inner = inner
+        self.scaled = scaled  # a rope_scaling.ScaledRope: HF's frequencies replace megatron's table
         self._params: Any = None  # the PackedSeqParams of the forward in progress
 
     def get_rotary_seq_len(
@@ -46,8 +47,16 @@ class PositionalRotaryEmbedding(torch.nn.Module):
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group: Any = None) -> Any:
         params, self._params = self._params, None
         positions = getattr(params, "_slime_positions", None)
+        if positions is None and self.scaled is not None:
+            if cp_group is not None and cp_group.size() > 1 and not packed_seq:
+                raise NotImplementedError("scaled RoPE under CP needs slime's packed rows")
+            device = self.inner.inv_freq.device
+            return self.scaled.table(torch.arange(max_seq_len, device=device) + offset)
         if positions is None:
             return self.inner(max_seq_len, offset=offset, packed_seq=packed_seq, cp_group=cp_group)
+        if self.scaled is not None:
+            params._slime_rope_applied = True
+            return self.scaled.table(positions.to(self.inner.inv_freq.device))
         # positions < max_seqlen_q (packing.py sets it to the longest prompt + branch): no host sync on GPU
         table = self.inner(int(params.max_seqlen_q), packed_seq=True, cp_group=cp_group)  # [P, 1, 1, dim]
         params._slime_rope_applied = True
@@ -57,12 +66,13 @@ class PositionalRotaryEmbedding(torch.nn.Module):
         return self.inner.get_cos_sin(max_seq_len, offset)
 
 
-def use_positional_rope(model: torch.nn.Module) -> None:
-    """Wrap the GPTModel's rotary embedding (a no-op for models without one, e.g. middle pipeline stages)."""
+def use_positional_rope(model: torch.nn.Module, scaled: Any = None) -> None:
+    """Wrap the GPTModel's rotary embedding (a no-op for models without one, e.g. middle pipeline stages);
+    `scaled` (a `rope_scaling.ScaledRope`) supplies HF's frequencies for a scaled RoPE."""
     use_packed_rope()
     inner = getattr(model, "rotary_pos_emb", None)
     if inner is not None and not isinstance(inner, PositionalRotaryEmbedding):
-        model.rotary_pos_emb = PositionalRotaryEmbedding(inner)
+        model.rotary_pos_emb = PositionalRotaryEmbedding(inner, scaled)
 
 
 # --- applying the per-token table -------------------------------------------------------------------------------
@@ -104,7 +114,9 @@ def apply_packed_rope(
     cp_group: Any = None,
 ) -> torch.Tensor:
     """`megatron.core.models.common.embeddings.rope_utils.apply_rotary_pos_emb`, with a fast path for THD rows
-    whose table has one row per token (slime's packed rows) on a single CP rank."""
+    whose table has one row per token (slime's packed rows) on a single CP rank. A scaled RoPE's attention
+    factor (YaRN's mscale; `rope_scaling.py`) multiplies cos and sin, as HF's rotary embedding does."""
+    mscale = mscale * getattr(config, "slime_rope_attention_factor", 1.0)  # set on slime's scaled-RoPE configs
     if (
         cu_seqlens is not None
         and cp_group is not None
