@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+TRAINED = re.compile(r"actor rank 0 rollout (?P<rollout>\d+): (?P<samples>\d+) samples")  # slime/ray/train_actor.py
 
 NUM_ROLLOUT = 4
 BATCH = 10  # prompts per rollout, one sample each
@@ -60,8 +63,9 @@ def fault_env(spec: str, marker: Path) -> dict[str, str]:
 
 
 def lineage(run: Path) -> dict[str, Any]:
-    """What the final weights were trained on: prompts (group indices) per rollout from the dumps left, the trained
-    sample count per rollout from the last train record of each (metrics.jsonl is appended by every attempt)."""
+    """What the final weights were trained on: prompts (group indices) per rollout from the dumps left, and the
+    samples train rank 0 received per rollout, from its own log (appended by every attempt; the last line of a
+    rollout is the lineage's: an attempt that restarts from checkpoint k trains k+1.. again)."""
     import torch
 
     prompts: list[int] = []
@@ -70,12 +74,11 @@ def lineage(run: Path) -> dict[str, Any]:
         if path.exists():
             samples = torch.load(path, weights_only=False)["samples"]
             prompts += [s["group_index"] for s in samples]
-    trained: dict[int, float] = {}
-    metrics = run / "metrics" / "metrics.jsonl"
-    for line in metrics.read_text().splitlines() if metrics.exists() else []:
-        record = json.loads(line)
-        if record.get("kind") == "train":
-            trained[record["step"]] = record["metrics"].get("train/samples", 0.0)
+    trained: dict[int, int] = {}
+    log = run / "metrics" / "logs" / "train_rank0.log"
+    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+        if found := TRAINED.search(line):
+            trained[int(found["rollout"])] = int(found["samples"])
     counts = Counter(prompts)
     expected = set(range(NUM_ROLLOUT * BATCH))
     return {
