@@ -1,5 +1,6 @@
-"""A reference policy served by SGLang (`--ref-model-name`) gives the trainer-side reference's numbers, and a
-Megatron OPD teacher identical to the student contributes exactly nothing.
+"""A reference policy served by SGLang (`--ref-model-name`) gives the trainer-side reference's numbers; a
+Megatron OPD teacher identical to the student contributes exactly nothing, and a different one (`--opd-teacher-load`
+of the reference checkpoint) gives HF's log-probs of that checkpoint, which reach the advantages and the loss.
 
 A fake `hf` engine serves the reference checkpoint; the rollout-side scorer (slime/rollout/model_scoring.py) asks
 it for the response log-probs. One spawned CPU/gloo rank then builds two trainers on the same samples: one keeps
@@ -56,7 +57,12 @@ def _worker(rank: int, port: int, student: str, ref: str, served: str, out: str)
         "--kl-loss-type", "k3", "--use-opd", "--opd-type", "megatron", "--opd-teacher-load", student,
     ]  # fmt: skip
     result: dict = {}
-    for mode, extra in (("trainer", ["--ref-load", ref]), ("served", ["--ref-model-name", "ref"])):
+    modes = (
+        ("trainer", ["--ref-load", ref]),
+        ("served", ["--ref-model-name", "ref"]),
+        ("teacher", ["--ref-load", ref, "--opd-teacher-load", ref]),  # a teacher other than the student (last wins)
+    )
+    for mode, extra in modes:
         args = parse_args([*common, *extra])
         trainer = MegatronTrainer(args, rank, 1, "127.0.0.1", port)
         samples = [Sample.from_dict(d) for d in json.loads(Path(served).with_suffix(".samples").read_text())]
@@ -127,3 +133,16 @@ def test_served_reference_equals_trainer_reference_and_identical_teacher_is_zero
             assert mode["teacher_log_probs"][i] == mode["log_probs"][i]
             assert len(set(adv)) == 1 and adv[0] == pytest.approx(mode["rewards"][int(i)], abs=1e-7)  # fp32
         assert abs(mode["opd_reverse_kl"]) < 1e-6
+    # a different teacher: its log-probs are HF's of that checkpoint (the fake engine's transformers forward), they
+    # differ from the student's, and each token's advantage moves by exactly -(ℓ_student − ℓ_teacher)
+    teacher = r["teacher"]
+    moved = 0.0
+    for i, adv in teacher["advantages"].items():
+        lp, tlp = teacher["log_probs"][i], teacher["teacher_log_probs"][i]
+        assert tlp == pytest.approx(served[teacher["positions"][int(i)]], abs=1e-5)
+        assert lp == pytest.approx(trainer["log_probs"][i], abs=1e-7)  # the student is unchanged
+        for a, s_lp, t_lp in zip(adv, lp, tlp, strict=True):
+            assert a == pytest.approx(teacher["rewards"][int(i)] - (s_lp - t_lp), abs=1e-5)
+            moved = max(moved, abs(s_lp - t_lp))
+    assert moved > 1e-2  # the teacher really differs, so the checks above are not the identical case again
+    assert abs(teacher["opd_reverse_kl"]) > 1e-3  # and the term reached the train step's metrics
