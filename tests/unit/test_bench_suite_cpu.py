@@ -33,10 +33,11 @@ def test_role(cmdline, name, want):
 
 
 def test_a_process_older_than_the_suite_counts_only_its_cpu_since():
-    burn = "import time\nt = time.time()\nwhile time.time() - t < 0.6: pass\ntime.sleep(30)"
-    child = subprocess.Popen([sys.executable, "-c", burn])
+    # 0.6 s of the child's own CPU (not wall time: a loaded machine gives it less), then it says so and sleeps
+    burn = "import time\nwhile time.process_time() < 0.6: pass\nprint('ready', flush=True)\ntime.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(1.0)  # the child has burnt ~0.6 CPU-s and sleeps
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
         processes: dict = {}
         sample(processes, os.getpid(), since=time.time())
         (entry,) = [e for (pid, _), e in processes.items() if pid == child.pid]
