@@ -28,6 +28,7 @@ from typing import Any
 
 from sim.scheduling.clock import run_virtual
 from sim.scheduling.engines import CURRENT, EnginePool
+from sim.scheduling.slot_pool import SlotPool
 from sim.workloads.long_tail import DEFAULT, Workload
 from slime.arguments import check_schedule_combinations, default_args
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
@@ -60,6 +61,7 @@ class SimConfig:
     save_interval: int | None = None  # keep a checkpoint (what the RolloutManager saves) every N steps
     kill_at_s: float | None = None  # the run dies at this simulated time, wherever it is
     in_flight: bool = False  # --update-weights-in-flight (fully async only)
+    engine_model: str = "batched"  # or "slots": independent slots, O(1) per request (sim/scheduling/slot_pool.py)
 
     def __post_init__(self) -> None:
         if self.mode not in SIM_MODES:
@@ -337,7 +339,7 @@ def simulate(config: SimConfig, workload: Workload = DEFAULT, resume: dict[str, 
     result = SimResult(config, workload)
 
     async def main() -> None:
-        pool = EnginePool(workload)
+        pool = EnginePool(workload) if config.engine_model == "batched" else SlotPool(workload)
         CURRENT.set(_Current(workload, pool))
         backend = SimBackend(args, result, pool)
         start = 0

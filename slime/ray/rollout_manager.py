@@ -29,6 +29,7 @@ from slime.scheduling.staleness import staleness_metrics
 from slime.utils import faults
 from slime.utils.atomic import atomic_open
 from slime.utils.console import configure_actor
+from slime.utils.gc_policy import relax_gc_for_rollouts
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
@@ -57,6 +58,7 @@ def _load_pt(path: str) -> Any:
 class RolloutManager:
     def __init__(self, args: Namespace, placement: Placement | None) -> None:
         self.log_path = configure_actor(args.log_level, args.metrics_dir, "rollout_manager")
+        relax_gc_for_rollouts()  # tens of thousands of live samples: the default thresholds cost superlinearly
         self.args = args
         self.placement = placement
         self.carry = CarryBuffer()

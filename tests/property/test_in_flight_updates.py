@@ -66,6 +66,7 @@ def cases(draw, modes=("fully_async", "partial")):
         over_sampling=draw(st.sampled_from([1.0, 2.0])),
         max_steps=draw(st.integers(1, 6)),
         in_flight=mode == "fully_async" and draw(st.booleans()),
+        engine_model=draw(st.sampled_from(["batched", "slots"])),  # slots: what the scale bench runs on
         custom_buffer_path=draw(st.sampled_from([None, "sim.scheduling.buffers.NewestFirstBuffer"])),
     )
     return w, c
