@@ -258,9 +258,10 @@ def build_random_qwen2(out: Path, num_layers: int, *, vocab_size: int = 96, hidd
 def build_random_moe(out: Path, model_type: str = "qwen3_moe", *, num_layers: int = 2, num_experts: int = 4,
                      top_k: int = 2, norm_topk_prob: bool = True, vocab_size: int = 96, hidden_size: int = 64,
                      moe_intermediate_size: int = 32, shared_expert_intermediate_size: int = 48,
-                     tie_word_embeddings: bool = False, seed: int = 0) -> None:  # fmt: skip
+                     tie_word_embeddings: bool = False, seed: int = 0,
+                     mlp_only_layers: tuple[int, ...] = ()) -> None:  # fmt: skip
     """A random Qwen3-MoE or Qwen2-MoE (shared expert + gate) checkpoint, weights only, fp32: what the MoE tests
-    compare megatron's MoE layers against. Weights as `build_random_qwen2` (larger than HF's init), router
+    compare megatron's MoE layers against; `mlp_only_layers` makes those layers dense (HF's plain MLP). Weights as `build_random_qwen2` (larger than HF's init), router
     included, so routing is decided by clear margins and logits are far from uniform."""
     import torch
     import transformers
@@ -270,7 +271,7 @@ def build_random_moe(out: Path, model_type: str = "qwen3_moe", *, num_layers: in
         moe_intermediate_size=moe_intermediate_size, num_experts=num_experts, num_experts_per_tok=top_k,
         norm_topk_prob=norm_topk_prob, num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=256, tie_word_embeddings=tie_word_embeddings, decoder_sparse_step=1,
-        mlp_only_layers=[],
+        mlp_only_layers=list(mlp_only_layers),
     )  # fmt: skip
     if model_type == "qwen3_moe":
         cfg = transformers.Qwen3MoeConfig(head_dim=hidden_size // 4, **common)

@@ -87,11 +87,17 @@ def test_dense_configs_have_no_moe_fields(make_args: Callable[..., Any]):
     assert "num_moe_experts" not in hf_config.transformer_config_kwargs(spec, make_args())
 
 
+def test_dense_layers_follow_hf_rule():
+    # layer i is sparse unless in mlp_only_layers or (i + 1) % decoder_sparse_step != 0 (Qwen2/3-MoE's rule)
+    assert hf_config.read_hf_config({**_QWEN3_MOE, "decoder_sparse_step": 2}).moe_layer_pattern == (0, 1)
+    assert hf_config.read_hf_config({**_QWEN3_MOE, "mlp_only_layers": [1]}).moe_layer_pattern == (1, 0)
+    assert hf_config.read_hf_config(_QWEN3_MOE).moe_layer_pattern is None  # every layer sparse
+
+
 @pytest.mark.parametrize(
     "patch,needle",
     [
-        ({"decoder_sparse_step": 2}, "dense layers"),
-        ({"mlp_only_layers": [0]}, "dense layers"),
+        ({"mlp_only_layers": list(range(_QWEN3_MOE["num_hidden_layers"]))}, "without a sparse layer"),
         ({"num_experts_per_tok": 1}, "num_experts_per_tok 1 with norm_topk_prob"),
         ({"num_experts_per_tok": 5}, "num_experts_per_tok 5"),
         ({"num_experts": 0}, "no num_experts"),

@@ -208,7 +208,7 @@ CHECKPOINT_CASES = [
     (QWEN2, ["--tensor-model-parallel-size", "3"], "must divide num_attention_heads"),
     ({k: v for k, v in QWEN2_MOE.items() if k != "num_experts"}, [], "has no num_experts"),
     ({**QWEN2_MOE, "num_experts_per_tok": 9}, [], "num_experts_per_tok 9"),
-    ({**QWEN2_MOE, "mlp_only_layers": [0]}, [], "MoE configs with dense layers"),
+    ({**QWEN2_MOE, "mlp_only_layers": [0, 1]}, [], "MoE config without a sparse layer"),
     ({**QWEN2, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, [], "rope type 'longrope'"),
     ({**QWEN2, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, ["--context-parallel-size", "2"],
      "dynamic RoPE scaling with --context-parallel-size"),

@@ -12,8 +12,9 @@ MoE (`qwen2_moe`, `qwen3_moe`): `num_experts` → `num_moe_experts`, `num_expert
 `moe_shared_expert_intermediate_size` (Qwen2-MoE's shared expert, always with its sigmoid gate), and
 `norm_topk_prob` → `moe_router_pre_softmax = not norm_topk_prob`: HF takes a softmax over all experts, then the
 top k, then renormalises them when `norm_topk_prob`; megatron's softmax after the top-k selection is that same
-renormalisation. `router_aux_loss_coef` is the default of `--moe-aux-loss-coeff`. Every layer must be sparse
-(`decoder_sparse_step` 1, no `mlp_only_layers`): mixed dense/MoE stacks are refused.
+renormalisation. `router_aux_loss_coef` is the default of `--moe-aux-loss-coeff`. Dense layers between the
+sparse ones (`mlp_only_layers`, `decoder_sparse_step`, HF's rule) become megatron's `moe_layer_freq` pattern:
+those layers get the plain MLP of `intermediate_size`.
 
 Vocabulary padding: `VocabParallelEmbedding` needs the vocabulary divisible by TP, so the megatron model's
 vocabulary is `padded_vocab_size(vocab, tp)` (rounded up to a multiple of tp; unchanged when it divides).
@@ -68,6 +69,7 @@ class HFModelSpec:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int | None = None  # Qwen2-MoE: one shared expert with a sigmoid gate
     router_aux_loss_coef: float = 0.0
+    moe_layer_pattern: tuple[int, ...] | None = None  # 1 = MoE, 0 = dense MLP, per layer; None: every layer MoE
     rope_type: str = "default"  # or one of SCALED_ROPE_TYPES
     rope_fields: str = ""  # `rope_fields(cfg)`: what rope_scaling.py hands to HF's rope initialisers
 
@@ -155,11 +157,12 @@ def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     if num_experts <= 0:
         raise SlimeArgError(f"--hf-checkpoint: {cfg['model_type']} config has no num_experts")
-    if int(cfg.get("decoder_sparse_step", 1)) != 1 or cfg.get("mlp_only_layers"):
-        raise SlimeArgError(
-            "--hf-checkpoint: MoE configs with dense layers (decoder_sparse_step != 1 or mlp_only_layers) are not "
-            "supported; every layer must be sparse"
-        )
+    # HF's rule (Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer): layer i is sparse unless it is in
+    # mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step; a dense layer has the plain MLP
+    step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
+    pattern = tuple(int(i not in dense and (i + 1) % step == 0) for i in range(int(cfg["num_hidden_layers"])))
+    if not any(pattern):
+        raise SlimeArgError("--hf-checkpoint: an MoE config without a sparse layer (mlp_only_layers covers them all)")
     topk = int(cfg["num_experts_per_tok"])
     norm_topk = bool(cfg.get("norm_topk_prob", False))
     if not 1 <= topk <= num_experts:
@@ -175,6 +178,7 @@ def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         norm_topk_prob=norm_topk,
         shared_expert_intermediate_size=shared or None,
         router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)),
+        moe_layer_pattern=pattern if not all(pattern) else None,
     )
 
 
@@ -286,5 +290,7 @@ def moe_config_kwargs(spec: HFModelSpec, args: Any) -> dict[str, Any]:
         moe_shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
         moe_shared_expert_gate=spec.shared_expert_intermediate_size is not None,
         moe_shared_expert_overlap=False,
+        # dense layers between the sparse ones (mlp_only_layers, decoder_sparse_step): megatron's per-layer pattern
+        **({"moe_layer_freq": list(spec.moe_layer_pattern)} if spec.moe_layer_pattern else {}),
         moe_permute_fusion=False,
     )

@@ -72,15 +72,16 @@ class RMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = bool(config.sequence_parallel and sequence_parallel_input)
 
 
-def gpt_layer_spec(spec: HFModelSpec) -> ModuleSpec:
+def gpt_layer_spec(spec: HFModelSpec, moe: bool | None = None) -> ModuleSpec:
     """megatron-core's local GPT layer spec (RMSNorm, SwiGLU MLP) with `SDPACoreAttention` as core attention and
     slime's `RMSNorm` (which, unlike the wrapped torch norm, allows sequence parallelism) for every norm.
 
     MoE checkpoints get megatron's MoE layer from the same local spec: `TopKRouter`, `SequentialMLP` experts (one
     local `MLP` per expert: no grouped GEMM, which needs TE or the grouped_gemm kernels) and, for Qwen2-MoE, a
-    `SharedExpertMLP` with its gate."""
+    `SharedExpertMLP` with its gate. `moe=False` gives the dense layer of a mixed stack."""
+    moe = spec.is_moe if moe is None else moe
     layer = get_gpt_layer_local_spec(
-        num_experts=spec.num_experts if spec.is_moe else None,
+        num_experts=spec.num_experts if moe else None,
         moe_grouped_gemm=False,
         normalization="RMSNorm",
         qk_layernorm=spec.qk_layernorm,
@@ -100,7 +101,13 @@ def gpt_block_spec(
     """This stage's layers plus the final norm: given as a block so that the final norm is slime's `RMSNorm`
     (from a layer spec alone megatron picks `WrappedTorchNorm`, which refuses sequence parallelism)."""
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[gpt_layer_spec(spec)] * layers, layer_norm=RMSNorm)
+    if not spec.moe_layer_pattern:
+        return TransformerBlockSubmodules(layer_specs=[gpt_layer_spec(spec)] * layers, layer_norm=RMSNorm)
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    offset = int(get_transformer_layer_offset(config, vp_stage=vp_stage))  # the global index of this stage's first
+    pattern = spec.moe_layer_pattern[offset : offset + layers]
+    return TransformerBlockSubmodules(layer_specs=[gpt_layer_spec(spec, bool(m)) for m in pattern], layer_norm=RMSNorm)
 
 
 def _moe_without_transformer_engine() -> None:
