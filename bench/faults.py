@@ -7,7 +7,8 @@ slime/utils/faults.py). A repetition **survived** when the fault fired, the job 
 with 40 samples in all, and the dumps of the final lineage hold each of the 40 prompts exactly once (0 lost, 0
 repeated). Rows: train rank × {sigkill, exit, segfault, deadlock} × {train_step, weight_sync, save};
 RolloutManager × the same faults × {rollout, weight_sync, save} (it runs nothing during a synchronous train step);
-PPO's critic rank × the same faults × {train_step, save} (the same job with `--advantage-estimator ppo`).
+PPO's critic rank × the same faults × {train_step, save} (the same job with `--advantage-estimator ppo`); the
+engine and the router × the same faults × {rollout} (delivered as signals: `faults.signal_fault`).
 
     .venv/bin/python -m bench.faults --reps 2            # every row, about 1 min per repetition on 2 cores
     .venv/bin/python -m bench.faults --reps 1 --kinds train --faults sigkill
@@ -36,6 +37,9 @@ POINTS = {
     "train": {"train_step": 2, "weight_sync": 3, "save": 2},
     "rollout_manager": {"rollout": 2, "weight_sync": 3, "save": 2},
     "critic": {"train_step": 2, "save": 2},  # PPO's critic; it receives no weight sync
+    # processes that run no slime code: the RolloutManager signals them at the 2nd rollout's start
+    "engine": {"rollout": 2},
+    "router": {"rollout": 2},
 }
 TIMEOUT_S = 600
 

@@ -37,6 +37,18 @@ class ActorHung(Exception):
         self.actor, self.call, self.timeout = actor, call, timeout
 
 
+class ServerDied(Exception):
+    """A server process of the run (the router, an engine) is gone and the call that needed it failed (raised by
+    the RolloutManager, so it crosses Ray: its args are its state)."""
+
+    def __init__(self, name: str, detail: str) -> None:
+        super().__init__(name, detail)
+        self.name, self.detail = name, detail
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.detail}"
+
+
 @dataclass
 class ActorFault(Exception):
     actor: str  # train_rank0, critic_rank1, rollout_manager, or an actor's class name
@@ -97,6 +109,8 @@ def classify(exc: BaseException, names: dict[str, str]) -> tuple[str, str, str] 
     seen = 0
     while isinstance(exc, RayTaskError) and getattr(exc, "cause", None) is not None and seen < 8:
         exc, seen = exc.cause, seen + 1
+    if isinstance(exc, ServerDied):
+        return exc.name, "died", exc.detail
     if isinstance(exc, ActorHung):
         return exc.actor, "hung", f"{exc.call} gave no answer in {exc.timeout:g} s"
     if isinstance(exc, RayActorError):

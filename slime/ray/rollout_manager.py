@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 
+from slime.ray.actor_faults import ServerDied
 from slime.ray.placement import Placement
 from slime.ray.train_data import build_rank_data, rollout_samples
 from slime.rollout.base_types import call_rollout_fn
@@ -36,6 +37,15 @@ from slime.utils.types import Sample
 logger = logging.getLogger(__name__)
 
 ENGINE_GPU = 0.2
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.NoSuchProcess:
+        return False
 
 
 def dump_path(template: str, rollout_id: int) -> str:
@@ -180,7 +190,15 @@ class RolloutManager:
         if self.args.load_debug_rollout_data:
             samples = self._load_dump(rollout_id)
         else:
-            out = call_rollout_fn(self.rollout_fn, self.args, rollout_id, self.data_source, evaluation=False)
+            if faults.enabled():
+                self._signal_faults()
+            try:
+                out = call_rollout_fn(self.rollout_fn, self.args, rollout_id, self.data_source, evaluation=False)
+            except Exception as e:
+                dead = self._dead_server()
+                if dead is not None:  # a server fault (slime/ray/actor_faults.py), not the error it caused
+                    raise ServerDied(*dead) from e
+                raise
             faults.inject("rollout_manager", "rollout")  # generated, not yet kept: the groups exist nowhere else
             extra.update(out.metrics or {})
             # --max-weight-staleness outside --fully-async: groups --partial-rollout recycled may carry old tokens
@@ -195,6 +213,25 @@ class RolloutManager:
             extra.update(staleness_metrics(groups, rollout_id))
             samples = rollout_samples(groups)
         self._pending[rollout_id] = (samples, extra, time.perf_counter() - t0)
+
+    def _dead_server(self) -> tuple[str, str] | None:
+        """(name, what happened) of the first router or engine process that is gone, else None."""
+        if self.servers is None:
+            return None
+        info = self.servers.info()
+        procs = [("router", info["router_pid"]), *((f"engine_{i}", p) for i, p in enumerate(info["engine_pids"]))]
+        for name, pid in procs:
+            if pid is not None and not _running(pid):
+                return name, f"its process {pid} exited"
+        return None
+
+    def _signal_faults(self) -> None:
+        """SLIME_FAULT for the processes that run no slime code, as signals at a rollout's start: the router and
+        engine 0 (slime/utils/faults.py)."""
+        if self.servers is not None:
+            info = self.servers.info()
+            faults.signal_fault("router", "rollout", info["router_pid"])
+            faults.signal_fault("engine", "rollout", (info["engine_pids"] or [None])[0])
 
     def train_data(self, rollout_id: int) -> tuple[list[Any] | None, dict[str, float] | None]:
         """The kept rollout as train data: (one object ref per DP rank, or None under --debug-rollout-only; the

@@ -120,6 +120,11 @@ def _claim(spec: FaultSpec) -> bool:
     return True
 
 
+def enabled() -> bool:
+    """Whether any fault is asked for in this process (callers skip their own set-up when not)."""
+    return bool(active_specs())
+
+
 def inject(kind: str, point: str) -> None:
     """Fault here if `SLIME_FAULT` asks for `kind` at `point` (this process's NTH time here); else return at once."""
     if _specs == []:  # the off path: one comparison once the variable has been read

@@ -140,6 +140,8 @@ def test_classify_unwraps_to_the_faulty_actor():
     assert actor_faults.classify(dead, {}) == ("SGLangEngine", "died", "its process 42 exited")
     wrapped = RayTaskError("rollout", "tb", ActorHung("rollout_manager", "rollout", 5.0))
     assert actor_faults.classify(wrapped, {}) == ("rollout_manager", "hung", "rollout gave no answer in 5 s")
+    server = RayTaskError("rollout", "tb", actor_faults.ServerDied("router", "its process 9 exited"))
+    assert actor_faults.classify(server, {}) == ("router", "died", "its process 9 exited")
     assert actor_faults.classify(ValueError("a bug"), {}) is None
 
 
