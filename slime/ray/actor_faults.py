@@ -10,8 +10,10 @@ distributed timeout:
   a deadline can tell: `--train-hang-timeout` bounds each train-rank call (step, save, weight sync),
   `--rollout-hang-timeout` each RolloutManager call (rollout, eval, save, the engines' lock); off by default.
 
-A Python exception raised by an actor is neither: it is the actor's own error, reported as it is (a restart would
-repeat it). The driver turns a fault into an `ActorFault`: `slime train` prints its one line, writes it to
+A server process the run started (the router, an engine) that is gone when a rollout fails because of it counts as
+died too (`ServerDied`, raised by the RolloutManager; with `--use-fault-tolerance` a dead engine is replaced
+inside the rollout instead). Any other Python exception raised by an actor is its own error, reported as it is (a
+restart would repeat it). The driver turns a fault into an `ActorFault`: `slime train` prints its one line, writes it to
 METRICS_DIR/fault.json, and the restart supervisor (`slime/ray/restarts.py`) reads it from there.
 """
 
