@@ -34,6 +34,8 @@ QWEN2 = {
 }  # fmt: skip
 QWEN2_MOE = {**QWEN2, "model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2,
              "moe_intermediate_size": 8, "norm_topk_prob": True}  # fmt: skip
+GLM4_MOE = {**QWEN2, "model_type": "glm4_moe", "n_routed_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 8, "first_k_dense_replace": 1, "n_shared_experts": 1}  # fmt: skip
 MODULE = __name__  # hooks below are imported by path, as a user's would be
 CHECKED = [sglang_config, hf_config, hook_checks, checkpoint_checks]
 REACHED: set[tuple[str, int]] = set()  # (file, line of the raise) of every refusal a case produced
@@ -209,6 +211,11 @@ CHECKPOINT_CASES = [
     ({k: v for k, v in QWEN2_MOE.items() if k != "num_experts"}, [], "has no num_experts"),
     ({**QWEN2_MOE, "num_experts_per_tok": 9}, [], "num_experts_per_tok 9"),
     ({**QWEN2_MOE, "mlp_only_layers": [0, 1]}, [], "MoE config without a sparse layer"),
+    ({**GLM4_MOE, "n_routed_experts": 0}, [], "glm4_moe config has no n_routed_experts"),
+    ({**GLM4_MOE, "num_experts_per_tok": 5}, [], "num_experts_per_tok 5"),
+    ({**GLM4_MOE, "n_group": 2, "topk_group": 1}, [], "n_group > 1"),
+    ({**GLM4_MOE, "norm_topk_prob": False}, [], "needs norm_topk_prob true"),
+    ({**GLM4_MOE, "first_k_dense_replace": 2}, [], "without a sparse layer (first_k_dense_replace)"),
     ({**QWEN2, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, [], "rope type 'longrope'"),
     ({**QWEN2, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, ["--context-parallel-size", "2"],
      "dynamic RoPE scaling with --context-parallel-size"),

@@ -1,4 +1,4 @@
-"""A HF `config.json` (Qwen2 / Qwen3 / Llama / Mistral, Qwen2-MoE / Qwen3-MoE) → the shape of a megatron-core GPTModel.
+"""A HF `config.json` (Qwen2 / Qwen3 / Llama / Mistral, Qwen2-MoE / Qwen3-MoE / GLM-4.5) → a megatron-core GPTModel's shape.
 
 Why: the model's shape comes only from `--hf-checkpoint` (there are no `--num-layers` style flags), so one
 place turns HF's names into megatron's: `num_key_value_heads` → `num_query_groups`, `rms_norm_eps` →
@@ -7,7 +7,7 @@ RoPE scaling (`linear`, `dynamic`, `yarn`, `llama3`) is computed with HF's own i
 (`rope_scaling.py`). Anything this family mapping cannot express exactly (other rope types, sliding windows, MLP
 biases, other activations) is refused with a one-line error instead of silently giving different numbers.
 
-MoE (`qwen2_moe`, `qwen3_moe`): `num_experts` → `num_moe_experts`, `num_experts_per_tok` → `moe_router_topk`,
+MoE (`qwen2_moe`, `qwen3_moe`; `glm4_moe` in `_glm4_moe_fields`): `num_experts` → `num_moe_experts`, `num_experts_per_tok` → `moe_router_topk`,
 `moe_intermediate_size` → `moe_ffn_hidden_size`, `shared_expert_intermediate_size` →
 `moe_shared_expert_intermediate_size` (Qwen2-MoE's shared expert, always with its sigmoid gate), and
 `norm_topk_prob` → `moe_router_pre_softmax = not norm_topk_prob`: HF takes a softmax over all experts, then the
@@ -34,8 +34,8 @@ from slime.utils.errors import SlimeArgError
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", "qwen2_moe", "qwen3_moe")
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", "qwen2_moe", "qwen3_moe", "glm4_moe")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "glm4_moe")
 SCALED_ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")  # computed with HF's own functions (rope_scaling.py)
 # the config.json fields HF's rope initialisers read
 ROPE_FIELDS = (
@@ -70,6 +70,11 @@ class HFModelSpec:
     shared_expert_intermediate_size: int | None = None  # Qwen2-MoE: one shared expert with a sigmoid gate
     router_aux_loss_coef: float = 0.0
     moe_layer_pattern: tuple[int, ...] | None = None  # 1 = MoE, 0 = dense MLP, per layer; None: every layer MoE
+    router_score_function: str = "softmax"  # GLM-4.5: "sigmoid", with a routing-only bias and a scaling factor
+    router_expert_bias: bool = False
+    router_scaling_factor: float | None = None
+    shared_expert_gate: bool = True  # Qwen2-MoE's sigmoid gate; GLM-4.5's shared experts have none
+    rotary_percent: float = 1.0  # partial rotary: RoPE on the first rotary_percent of each head
     rope_type: str = "default"  # or one of SCALED_ROPE_TYPES
     rope_fields: str = ""  # `rope_fields(cfg)`: what rope_scaling.py hands to HF's rope initialisers
 
@@ -125,7 +130,14 @@ def read_hf_config(config: str | os.PathLike | dict[str, Any]) -> HFModelSpec:
         raise SlimeArgError("--hf-checkpoint: sliding-window attention is not supported")
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
-    moe = _moe_fields(cfg) if model_type in MOE_MODEL_TYPES else {}
+    moe = (
+        (_glm4_moe_fields(cfg) if model_type == "glm4_moe" else _moe_fields(cfg))
+        if model_type in MOE_MODEL_TYPES
+        else {}
+    )
+    # partial rotary (GLM-4.5: 0.5, the default its config class assigns when the file has none)
+    rotary = cfg.get("partial_rotary_factor") or (cfg.get("rope_parameters") or {}).get("partial_rotary_factor")
+    rotary = float(rotary or (0.5 if model_type == "glm4_moe" else 1.0))
     rope_theta, rope_type = _rope(cfg)
     return HFModelSpec(
         model_type=model_type,
@@ -145,7 +157,9 @@ def read_hf_config(config: str | os.PathLike | dict[str, Any]) -> HFModelSpec:
         qkv_bias=bool(cfg.get("qkv_bias", True))
         if model_type in ("qwen2", "qwen2_moe")
         else bool(cfg.get("attention_bias", False)),
-        qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
+        qk_layernorm=model_type in ("qwen3", "qwen3_moe")
+        or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm"))),
+        rotary_percent=rotary,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         **moe,
     )
@@ -179,6 +193,46 @@ def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         shared_expert_intermediate_size=shared or None,
         router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)),
         moe_layer_pattern=pattern if not all(pattern) else None,
+    )
+
+
+def _glm4_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5/4.6 (`glm4_moe`, HF's Glm4MoeTopkRouter / Glm4MoeMoE): the first `first_k_dense_replace` layers
+    dense, then sigmoid-scored routed experts chosen by score + `e_score_correction_bias` (the bias only routes;
+    the weights are the plain scores, renormalised, times `routed_scaling_factor`), plus `n_shared_experts`
+    ungated shared experts. Megatron's sigmoid router computes exactly this with `moe_router_enable_expert_bias`;
+    what it computes differently is refused."""
+    num_experts, topk = int(cfg.get("n_routed_experts") or 0), int(cfg["num_experts_per_tok"])
+    if num_experts <= 0:
+        raise SlimeArgError("--hf-checkpoint: glm4_moe config has no n_routed_experts")
+    if not 1 <= topk <= num_experts:
+        raise SlimeArgError(f"--hf-checkpoint: num_experts_per_tok {topk} must be in [1, num_experts={num_experts}]")
+    if int(cfg.get("n_group", 1)) != 1:
+        # HF scores a group by its top 2 experts; megatron's group_limited_topk by its top (topk // topk_group)
+        raise SlimeArgError("--hf-checkpoint: glm4_moe with n_group > 1 (group-limited routing) is not supported")
+    if bool(cfg.get("norm_topk_prob", True)) != (topk > 1):
+        # megatron's sigmoid router renormalises the top-k weights exactly when topk > 1
+        raise SlimeArgError("--hf-checkpoint: glm4_moe needs norm_topk_prob true with topk > 1 (false with topk 1)")
+    first_dense = int(cfg.get("first_k_dense_replace", 1))
+    layers = int(cfg["num_hidden_layers"])
+    if first_dense >= layers:
+        raise SlimeArgError("--hf-checkpoint: an MoE config without a sparse layer (first_k_dense_replace)")
+    pattern = tuple(int(i >= first_dense) for i in range(layers))
+    moe_ffn = int(cfg["moe_intermediate_size"])
+    shared = int(cfg.get("n_shared_experts") or 0) * moe_ffn
+    scaling = float(cfg.get("routed_scaling_factor", 1.0))
+    return dict(
+        num_experts=num_experts,
+        moe_router_topk=topk,
+        moe_ffn_hidden_size=moe_ffn,
+        norm_topk_prob=topk > 1,
+        shared_expert_intermediate_size=shared or None,
+        router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)),
+        moe_layer_pattern=pattern if not all(pattern) else None,
+        router_score_function="sigmoid",
+        router_expert_bias=True,
+        router_scaling_factor=scaling if scaling != 1.0 else None,
+        shared_expert_gate=False,
     )
 
 
@@ -280,15 +334,19 @@ def moe_config_kwargs(spec: HFModelSpec, args: Any) -> dict[str, Any]:
         num_moe_experts=spec.num_experts,
         moe_router_topk=spec.moe_router_topk,
         moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
-        moe_router_score_function="softmax",
+        moe_router_score_function=spec.router_score_function,
         # HF: softmax over all experts, top-k, then renormalised iff norm_topk_prob (= megatron's post-top-k softmax)
-        moe_router_pre_softmax=not spec.norm_topk_prob,
+        moe_router_pre_softmax=not spec.norm_topk_prob and spec.router_score_function == "softmax",
+        moe_router_enable_expert_bias=spec.router_expert_bias,
+        # the bias is the checkpoint's and is kept: HF's forward (and SGLang's) only reads it
+        moe_router_bias_update_rate=0.0,
+        moe_router_topk_scaling_factor=spec.router_scaling_factor,
         moe_router_dtype="fp32",
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=moe_aux_loss_coeff(spec, args),
         moe_grouped_gemm=False,  # SequentialMLP: local modules only (grouped GEMM needs TE or the grouped_gemm kernels)
         moe_shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
-        moe_shared_expert_gate=spec.shared_expert_intermediate_size is not None,
+        moe_shared_expert_gate=spec.shared_expert_intermediate_size is not None and spec.shared_expert_gate,
         moe_shared_expert_overlap=False,
         # dense layers between the sparse ones (mlp_only_layers, decoder_sparse_step): megatron's per-layer pattern
         **({"moe_layer_freq": list(spec.moe_layer_pattern)} if spec.moe_layer_pattern else {}),

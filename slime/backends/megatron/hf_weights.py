@@ -71,7 +71,22 @@ _VOCAB_PARALLEL = {"embedding.word_embeddings.weight", "output_layer.weight"}
 _MOE_REPLICATED = {
     "mlp.router.weight": "mlp.gate.weight",
     "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
+    "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",  # GLM-4.5's routing bias (a buffer)
 }
+_ROUTER_BIAS = "router.expert_bias"
+
+
+def _shared(spec: HFModelSpec) -> str:
+    """HF's prefix of the shared expert: Qwen2-MoE has one (`shared_expert`), GLM-4.5 `shared_experts`."""
+    return "mlp.shared_experts." if spec.model_type == "glm4_moe" else "mlp.shared_expert."
+
+
+def _weights_and_router_bias(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The parameters, then the routers' expert-bias buffers: part of the checkpoint, though not trained."""
+    yield from model.named_parameters()
+    yield from ((n, b) for n, b in model.named_buffers() if n.endswith(_ROUTER_BIAS) and b is not None)
+
+
 _SHARED_FC2 = "mlp.shared_experts.linear_fc2.weight"
 _SHARED_FC1 = "mlp.shared_experts.linear_fc1.weight"
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
@@ -224,10 +239,10 @@ def _hf_shard_for(name: str, reader: HFReader, spec: HFModelSpec, ranks: ShardRa
     if suffix in _MOE_REPLICATED:
         return reader.get(prefix + _MOE_REPLICATED[suffix])
     if suffix == _SHARED_FC1:
-        gate = reader.get(prefix + "mlp.shared_expert.gate_proj.weight")
-        return shard_fc1(gate, reader.get(prefix + "mlp.shared_expert.up_proj.weight"), tp_size, tp_rank)
+        gate = reader.get(prefix + _shared(spec) + "gate_proj.weight")
+        return shard_fc1(gate, reader.get(prefix + _shared(spec) + "up_proj.weight"), tp_size, tp_rank)
     if suffix == _SHARED_FC2:
-        return reader.get(prefix + "mlp.shared_expert.down_proj.weight").chunk(tp_size, dim=1)[tp_rank]
+        return reader.get(prefix + _shared(spec) + "down_proj.weight").chunk(tp_size, dim=1)[tp_rank]
     e = _EXPERT.match(suffix)
     if e is not None:
         expert = f"{prefix}mlp.experts.{ranks.global_expert(int(e.group(1)), spec)}."
@@ -255,7 +270,7 @@ def load_hf_weights(
     for model in models if isinstance(models, list) else [models]:
         model = unwrap_model(model)
         offset = layer_offset(model)
-        for name, param in model.named_parameters():
+        for name, param in _weights_and_router_bias(model):
             if name.startswith(skip_prefixes):
                 continue
             shard = _hf_shard_for(name, reader, spec, ranks, offset)
@@ -354,10 +369,10 @@ def _layer_tensors(
         yield prefix + _MOE_REPLICATED[suffix], shard
     elif suffix == _SHARED_FC1:
         gate, up = unshard_fc1(_gather_tp(shard, ps))
-        yield prefix + "mlp.shared_expert.gate_proj.weight", gate
-        yield prefix + "mlp.shared_expert.up_proj.weight", up
+        yield prefix + _shared(spec) + "gate_proj.weight", gate
+        yield prefix + _shared(spec) + "up_proj.weight", up
     elif suffix == _SHARED_FC2:
-        yield prefix + "mlp.shared_expert.down_proj.weight", _cat(_gather_tp(shard, ps), dim=1)
+        yield prefix + _shared(spec) + "down_proj.weight", _cat(_gather_tp(shard, ps), dim=1)
     elif (e := _EXPERT.match(suffix)) is not None:
         yield from _expert_tensors(prefix, int(e.group(1)), e.group(2), shard, spec, ps)
     else:
@@ -375,5 +390,5 @@ def export_hf_weights(
     """
     for model in models if isinstance(models, list) else [models]:
         model = unwrap_model(model)
-        for hf_name, tensor in iter_hf_tensors(model.named_parameters(), spec, ps, layer_offset(model)):
+        for hf_name, tensor in iter_hf_tensors(_weights_and_router_bias(model), spec, ps, layer_offset(model)):
             yield hf_name, tensor.to(dtype) if dtype is not None else tensor

@@ -163,6 +163,7 @@ def build_gpt_model(
         share_embeddings_and_output_weights=spec.tie_word_embeddings if share_embeddings is None else share_embeddings,
         position_embedding_type="rope",
         rotary_base=spec.rope_theta,
+        rotary_percent=spec.rotary_percent,
         vp_stage=vp_stage,
     )
     scaled = None
