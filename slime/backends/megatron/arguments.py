@@ -262,7 +262,9 @@ def validate_moe_args(args: argparse.Namespace) -> None:
     if spec is None:
         if ep > 1 or etp is not None:
             flag = "--expert-model-parallel-size" if ep > 1 else "--expert-tensor-parallel-size"
-            raise SlimeArgError(f"{flag} needs an MoE checkpoint (qwen2_moe, qwen3_moe); --hf-checkpoint is dense")
+            raise SlimeArgError(
+                f"{flag} needs an MoE checkpoint ({', '.join(MOE_MODEL_TYPES)}); --hf-checkpoint is dense"
+            )
         return
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp > 1 and not args.sequence_parallel:
