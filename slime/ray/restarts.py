@@ -33,8 +33,9 @@ from argparse import Namespace
 from dataclasses import dataclass
 from typing import Any
 
-from slime.ray.actor_faults import RESTARTABLE, read_fault
+from slime.ray.actor_faults import FAULT_FILE, RESTARTABLE, read_fault
 from slime.utils import checkpoint_dirs
+from slime.utils.atomic import atomic_open
 from slime.utils.process import die_with_parent, stop_popen
 
 logger = logging.getLogger(__name__)
@@ -92,9 +93,9 @@ def _keep_fault(metrics_dir: str, attempt: int) -> dict[str, Any] | None:
     fault = read_fault(metrics_dir)
     if fault is not None:
         os.makedirs(os.path.join(metrics_dir, "restarts"), exist_ok=True)
-        os.replace(
-            os.path.join(metrics_dir, "fault.json"), os.path.join(metrics_dir, "restarts", f"attempt_{attempt}.json")
-        )
+        with atomic_open(os.path.join(metrics_dir, "restarts", f"attempt_{attempt}.json")) as f:
+            json.dump(fault, f)
+        os.remove(os.path.join(metrics_dir, FAULT_FILE))
     return fault
 
 
