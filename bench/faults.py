@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -85,6 +86,18 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _write(out: Path, command: str, started: str, max_restarts: int, rows: list[dict]) -> None:
+    result = {
+        "command": command,
+        "started": started,
+        "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "max_restarts": max_restarts,
+        "rows": rows,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=2, help="repetitions per row")
@@ -96,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     rows: list[dict] = []
     started = datetime.now(UTC).isoformat(timespec="seconds")
+    command = "python -m bench.faults " + " ".join(sys.argv[1:] if argv is None else argv)
     with tempfile.TemporaryDirectory(prefix="slime-faults-") as tmp:
         assets = prepare_assets(Path(tmp) / "assets")
         for kind in args.kinds:
@@ -115,16 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                             flush=True,
                         )
                     rows.append({"kind": kind, "fault": fault, "point": point, "nth": nth, "reps": reps})
-    result = {
-        "command": "python -m bench.faults " + " ".join(sys.argv[1:] if argv is None else argv),
-        "started": started,
-        "machine": f"{platform.node()} {platform.machine()}, {platform.processor() or '?'}, "
-        f"{__import__('os').cpu_count()} cores, Python {platform.python_version()}",
-        "max_restarts": args.max_restarts,
-        "rows": rows,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+                    _write(args.out, command, started, args.max_restarts, rows)  # a stopped run keeps its rows
     print(table(rows))
     print(f"wrote {args.out}")
     return 0 if all(x["survived"] for r in rows for x in r["reps"]) else 1
