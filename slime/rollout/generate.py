@@ -23,6 +23,7 @@ from slime.rollout.model_scoring import attach_model_log_probs, needs_model_scor
 from slime.rollout.model_urls import get_model_url
 from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.scheduling.staleness import bound_answer_version, mark_context_only
+from slime.utils.fifo_semaphore import FifoSemaphore
 from slime.utils.http_utils import get_session, post_json
 from slime.utils.misc import load_function
 from slime.utils.types import Sample, Status
@@ -112,7 +113,8 @@ class GenerateState:
         num_gpus = args.rollout_num_gpus or 1  # 0 with --rollout-external: one engine per address
         per_engine = args.rollout_num_gpus_per_engine
         concurrency = args.sglang_server_concurrency
-        self.semaphore = asyncio.Semaphore(max(1, concurrency * max(1, num_gpus // per_engine)))
+        # FIFO with O(1) release: asyncio.Semaphore's is quadratic in its waiters (slime/utils/fifo_semaphore.py)
+        self.semaphore = FifoSemaphore(max(1, concurrency * max(1, num_gpus // per_engine)))
         self.sampling_params = base_sampling_params(args)
         self.aborted = False
         self.engine_version: int | None = None  # the engines' weight version, as the fully-async producer knows it
