@@ -7,6 +7,7 @@ router: rollouts are read from the dump instead.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -15,7 +16,7 @@ import sys
 import time
 from argparse import Namespace
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 
@@ -37,6 +38,7 @@ from slime.utils.types import Sample
 logger = logging.getLogger(__name__)
 
 ENGINE_GPU = 0.2
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _running(pid: int) -> bool:
@@ -46,6 +48,23 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
     except psutil.NoSuchProcess:
         return False
+
+
+def servers_checked(method: F) -> F:
+    """A call that needs the servers: when it fails because a router or engine process is gone, it raises
+    `ServerDied` (a fault `--max-restarts` restarts after, slime/ray/actor_faults.py), not the error that caused."""
+
+    @functools.wraps(method)
+    def checked(self: RolloutManager, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as e:
+            dead = self._dead_server()
+            if dead is not None:
+                raise ServerDied(*dead) from e
+            raise
+
+    return checked  # type: ignore[return-value]
 
 
 def dump_path(template: str, rollout_id: int) -> str:
@@ -121,6 +140,7 @@ class RolloutManager:
         return info
 
     # ---- weight sync ----------------------------------------------------------------------------------------
+    @servers_checked
     def lock_weight_sync_engines(self) -> list[dict[str, Any]]:
         """The engines a weight sync must reach, held for it: dead engines are restarted first, and the health
         monitor pauses until `unlock_weight_sync_engines` (paused engines look dead). Each is `{"url",
@@ -145,6 +165,7 @@ class RolloutManager:
     def _offloaded_engines(self) -> list[Any]:
         return self.servers.engine_handles() if self.servers is not None else []
 
+    @servers_checked
     def offload(self) -> None:
         """Free the engines' GPU memory for training: flush, then release every tag (weights, KV, graphs)."""
         engines = self._offloaded_engines()
@@ -153,6 +174,7 @@ class RolloutManager:
             servers.pause_health_monitor()  # released engines cannot answer /health_generate
             ray.get([e.release_memory_occupation.remote() for e in engines])
 
+    @servers_checked
     def onload(self, tags: list[str] | None = None) -> None:
         """Re-occupy engine memory: `["weights"]` before the weight sync, then `["kv_cache", "cuda_graph"]`."""
         engines = self._offloaded_engines()
@@ -179,6 +201,7 @@ class RolloutManager:
             samples = [s for s in samples if s.group_id in keep]
         return samples
 
+    @servers_checked
     def rollout(self, rollout_id: int) -> None:
         """Generate rollout `rollout_id` and keep its samples until `train_data` (the one-step-ahead loop converts
         rollout k, whose carry-over comes first, before it launches rollout k+1). A rollout restored from a
@@ -192,13 +215,7 @@ class RolloutManager:
         else:
             if faults.enabled():
                 self._signal_faults()
-            try:
-                out = call_rollout_fn(self.rollout_fn, self.args, rollout_id, self.data_source, evaluation=False)
-            except Exception as e:
-                dead = self._dead_server()
-                if dead is not None:  # a server fault (slime/ray/actor_faults.py), not the error it caused
-                    raise ServerDied(*dead) from e
-                raise
+            out = call_rollout_fn(self.rollout_fn, self.args, rollout_id, self.data_source, evaluation=False)
             faults.inject("rollout_manager", "rollout")  # generated, not yet kept: the groups exist nowhere else
             extra.update(out.metrics or {})
             # --max-weight-staleness outside --fully-async: groups --partial-rollout recycled may carry old tokens
@@ -214,16 +231,21 @@ class RolloutManager:
             samples = rollout_samples(groups)
         self._pending[rollout_id] = (samples, extra, time.perf_counter() - t0)
 
-    def _dead_server(self) -> tuple[str, str] | None:
-        """(name, what happened) of the first router or engine process that is gone, else None."""
+    def _dead_server(self, grace: float = 3.0) -> tuple[str, str] | None:
+        """(name, what happened) of the first router or engine process that is gone, else None. Waits up to `grace`
+        seconds: a server stopping on SIGTERM refuses requests before its process ends."""
         if self.servers is None:
             return None
         info = self.servers.info()
         procs = [("router", info["router_pid"]), *((f"engine_{i}", p) for i, p in enumerate(info["engine_pids"]))]
-        for name, pid in procs:
-            if pid is not None and not _running(pid):
-                return name, f"its process {pid} exited"
-        return None
+        deadline = time.monotonic() + grace
+        while True:
+            for name, pid in procs:
+                if pid is not None and not _running(pid):
+                    return name, f"its process {pid} exited"
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.1)
 
     def _signal_faults(self) -> None:
         """SLIME_FAULT for the processes that run no slime code, as signals at a rollout's start: the router and
@@ -290,6 +312,7 @@ class RolloutManager:
             "rollout/response_len_mean": sum(s.response_length for s in samples) / n,
         }
 
+    @servers_checked
     def eval(self, rollout_id: int) -> dict[str, float] | None:
         """The eval's metrics for the driver to log (None when --custom-eval-rollout-log-function-path did)."""
         if self.args.eval_prompt_data is None or self.args.debug_train_only:
