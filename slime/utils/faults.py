@@ -5,8 +5,10 @@ run without it pays one cached falsy check per point::
 
     SLIME_FAULT=KIND:FAULT:POINT[:NTH][,KIND:FAULT:POINT[:NTH]...]
 
-- KIND: who faults: `train` (an actor train rank), `critic` (a critic rank), `rollout_manager`, `engine`, `router`,
-  `gateway`, `sandbox`. A process calls `inject(kind, point)` with its own kind, so a spec fires only there.
+- KIND: who faults: `train` (an actor train rank), `critic` (a critic rank), `rollout_manager`, `engine` (engine
+  0's server process), `router`. A process calls `inject(kind, point)` with its own kind, so a spec fires only
+  there. (The agent gateway and the coding sandbox call no injection point yet: their kinds are refused rather
+  than accepted and never fired.)
 - FAULT: `sigkill` (SIGKILL to itself), `exit` (`os._exit(1)`: no clean-up, no exception), `segfault` (a read of
   address 0), `deadlock` (a thread that holds a lock waits for it forever: the process lives, answers nothing).
 - POINT: `rollout`, `train_step`, `weight_sync`, `save` (where a kind calls `inject`: mid-rollout, mid-train-step,
@@ -37,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 ENV = "SLIME_FAULT"
 MARKER_ENV = "SLIME_FAULT_MARKER"
-KINDS = ("train", "critic", "rollout_manager", "engine", "router", "gateway", "sandbox")
+KINDS = ("train", "critic", "rollout_manager", "engine", "router")
 FAULTS = ("sigkill", "exit", "segfault", "deadlock")
 POINTS = ("rollout", "train_step", "weight_sync", "save")
 EXTERNAL_SIGNALS = {"sigkill": signal.SIGKILL, "exit": signal.SIGTERM, "segfault": signal.SIGSEGV}
