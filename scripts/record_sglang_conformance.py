@@ -34,10 +34,17 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: sim.fake_sglang
-from scripts.sglang_conformance_cases import REQUEST_TIMEOUT_S, RUN_DEADLINE_S, VOCAB_GUESS, build_cases  # noqa: E402
+from scripts.sglang_conformance_cases import REQUEST_TIMEOUT_S, RUN_DEADLINE_S, VOCAB_GUESS, serving_cases  # noqa: E402
+from scripts.sglang_conformance_control import control_cases  # noqa: E402
 from sim.fake_sglang.conformance import DONE, check_invariants  # noqa: E402 - pure stdlib
 
 logger = logging.getLogger(__name__)
+
+
+def build_cases(vocab_size: int, torch_payloads: dict[str, str | None]) -> list[dict]:
+    """The fixed, ordered list: the serving cases, then those that change the server. `torch_payloads`: base64
+    pickles that need torch to build (None: unavailable)."""
+    return [*serving_cases(vocab_size), *control_cases(torch_payloads)]
 
 
 def torch_payloads() -> dict[str, str | None]:

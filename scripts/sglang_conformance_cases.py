@@ -67,13 +67,6 @@ ABORTED = ["background.response.json.meta_info.finish_reason.type"]
 TOKENS_SO_FAR = [{"equal": ["len(background.response.json.output_ids)", "background.response.json.meta_info.completion_tokens"]}]  # fmt: skip
 
 
-def build_cases(vocab_size: int, torch_payloads: dict[str, str | None]) -> list[dict]:
-    """The fixed, ordered list. `torch_payloads`: base64 pickles that need torch to build (None: unavailable)."""
-    from scripts.sglang_conformance_control import control_cases
-
-    return [*serving_cases(vocab_size), *control_cases(torch_payloads)]
-
-
 def serving_cases(vocab_size: int) -> list[dict]:
     """Identity, generation and malformed requests: nothing in flight, nothing changed on the server."""
     return [
