@@ -1,10 +1,12 @@
 """Does fully-async GRPO learn the toy task as well as the synchronous loop, from the same SFT checkpoint?
 
-    .venv/bin/python -m bench.toy_async [--out runs/toy_async] [--max-weight-staleness 1] [quick-start flags]
+    .venv/bin/python -m bench.toy_async [--out runs/toy_async] [--max-weight-staleness 1] [--in-flight] \
+        [quick-start flags]
 
 1. The quick start's SFT warm-up, once (or `--sft-checkpoint DIR` to reuse one).
 2. The quick start's GRPO job, synchronous, stopped at the first held-out eval >= `--target` (or `--rl-max-steps`).
 3. The same job with `--fully-async --max-weight-staleness K`, stopped the same way.
+4. With `--in-flight`, also that job with `--update-weights-in-flight` (requests run on through each sync).
 
 Every run is the real `slime train` (fake `hf` engines behind the real router, megatron-core on CPU). Prints a
 table of both eval curves, writes `OUT/toy_async.json` and draws `OUT/toy_async.png` (held-out reward against
@@ -48,7 +50,7 @@ def plot(path: Path, runs: dict[str, dict[str, Any]], target: float) -> None:
     import matplotlib.pyplot as plt
 
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for (label, run), color in zip(runs.items(), ("tab:gray", "tab:blue"), strict=False):
+    for (label, run), color in zip(runs.items(), ("tab:gray", "tab:blue", "tab:orange"), strict=False):
         curve = run["curve"]
         name = f"{label} ({run['wall_s']:.0f} s)"
         by_step.plot([s for s, _, _ in curve], [v for _, v, _ in curve], "o-", color=color, label=name)
@@ -61,7 +63,7 @@ def plot(path: Path, runs: dict[str, dict[str, Any]], target: float) -> None:
     by_time.set_xlabel("wall time of the GRPO run (s)")
     by_step.set_ylabel("reward on held-out prompts (T = 1)")
     by_step.legend(loc="lower right", fontsize=8)
-    fig.suptitle("toy task from one SFT checkpoint: synchronous vs fully-async GRPO", fontsize=10)
+    fig.suptitle("toy task from one SFT checkpoint: synchronous vs fully-async GRPO (drained, in flight)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--max-weight-staleness", type=int, default=1)
     p.add_argument("--sft-checkpoint", default=None, help="an HF checkpoint to start GRPO from (skips SFT)")
+    p.add_argument("--in-flight", action="store_true", help="a third run: fully async with --update-weights-in-flight")
     mine, rest = p.parse_known_args(argv)
     a, extra = quickstart.parse_args(["--out", "runs/toy_async", *rest] if "--out" not in rest else rest)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -95,10 +98,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             str(mine.max_weight_staleness),
         ],  # fmt: skip
     }
+    if mine.in_flight:
+        async_flags = next(iter(f for f in schedules.values() if f))
+        schedules[f"in flight, k={mine.max_weight_staleness}"] = [*async_flags, "--update-weights-in-flight"]
     runs: dict[str, dict[str, Any]] = {}
     for i, (label, flags) in enumerate(schedules.items()):
         logger.info("GRPO %d/%d: %s, until the held-out reward reaches %.2f", i + 1, len(schedules), label, a.target)
         metrics = out / ("grpo_sync" if not flags else "grpo_fully_async")
+        if "--update-weights-in-flight" in flags:
+            metrics = out / "grpo_in_flight"
         wall = quickstart.run([*job, *flags], metrics, stop_at=a.target)
         curve = wall_curve(metrics)
         reached = next((s for s, v, _ in curve if v >= a.target), None)
